@@ -1,0 +1,3 @@
+"""jaxspec: speculative decoding in JAX/XLA."""
+
+__version__ = "0.1.0"
