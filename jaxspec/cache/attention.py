@@ -1,0 +1,97 @@
+"""Attention over the paged KV cache: the jnp reference, and the dispatcher.
+
+One function covers the three cases, because they differ only in the mask:
+
+* prefill: a block of T prompt tokens per sequence, causal, ragged lengths;
+* decode: T = 1;
+* tree verification: T draft-tree nodes with a custom (qlen-only) mask.
+
+The new block's K/V are already written to the cache at logical slots
+`q_start[b] + t`. Key slot `s` is visible to query `t` of sequence `b` iff
+
+    s < kv_len[b]  and  ( s < q_start[b]                          # committed prefix
+                          or block_mask[b, t, s - q_start[b]] )   # inside the block
+
+where `block_mask` is causal (`j <= t`) when no tree mask is given. Queries at
+padding positions still see slot 0 at least, so every row stays finite.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import pallas as kernels
+
+# Large but finite: a fully masked row (padding) must not produce NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def gather_pages(
+    pages: jax.Array,  # [P, page_size, kvh, hd] one layer of the cache
+    page_table: jax.Array,  # [B, max_pages] int32
+) -> jax.Array:  # [B, max_pages * page_size, kvh, hd]
+    b, max_pages = page_table.shape
+    _, page_size, kvh, hd = pages.shape
+    return pages[page_table].reshape(b, max_pages * page_size, kvh, hd)
+
+
+def visibility_mask(
+    q_start: jax.Array,  # [B] int32
+    kv_len: jax.Array,  # [B] int32
+    num_queries: int,
+    num_slots: int,
+    tree_mask: jax.Array | None = None,  # [B, T, T] bool, qlen-only
+) -> jax.Array:  # [B, T, S] bool
+    slots = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]
+    t = jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]
+    rel = slots - q_start[:, None, None]  # slot index inside the new block
+    if tree_mask is None:
+        in_block = rel <= t
+    else:
+        rel_c = jnp.clip(rel, 0, num_queries - 1)
+        in_block = jnp.take_along_axis(
+            tree_mask, jnp.broadcast_to(rel_c, (tree_mask.shape[0], num_queries, num_slots)), axis=2
+        )
+        in_block = in_block & (rel < num_queries)
+    visible = (rel < 0) | in_block
+    return visible & (slots < kv_len[:, None, None])
+
+
+def paged_attention_ref(
+    q: jax.Array,  # [B, T, H, hd]
+    k_pages: jax.Array,  # [P, page_size, kvh, hd]
+    v_pages: jax.Array,  # [P, page_size, kvh, hd]
+    page_table: jax.Array,  # [B, max_pages] int32
+    q_start: jax.Array,  # [B] int32 slot of the block's first query
+    kv_len: jax.Array,  # [B] int32 valid slots after the block is written
+    tree_mask: jax.Array | None = None,  # [B, T, T] bool
+    *,
+    scale: float,
+) -> jax.Array:  # [B, T, H, hd]
+    b, t, h, hd = q.shape
+    kvh = k_pages.shape[2]
+    group = h // kvh
+    k = gather_pages(k_pages, page_table)  # [B, S, kvh, hd]
+    v = gather_pages(v_pages, page_table)
+    s = k.shape[1]
+    qg = q.reshape(b, t, kvh, group, hd)
+    # f32 logits and softmax whatever the cache dtype: bf16 softmax loses exactness.
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = visibility_mask(q_start, kv_len, t, s, tree_mask)  # [B, T, S]
+    logits = jnp.where(visible[:, None, None], logits, _MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask=None, *, scale):
+    """Dispatch: compiled Pallas kernel on GPU/TPU, jnp reference on CPU."""
+    if kernels.use_kernel():
+        from jaxspec.pallas.paged_attention import paged_attention_pallas
+
+        return paged_attention_pallas(
+            q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask,
+            scale=scale, interpret=kernels.interpret_mode(),
+        )
+    return paged_attention_ref(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale)

@@ -1,0 +1,160 @@
+"""Paged KV cache: device arrays plus a host-side page allocator.
+
+Layout: `k`, `v` are `[layers, num_pages, page_size, kv_heads, head_dim]`, so one
+page holds a run of `page_size` token slots for every layer. A sequence owns a
+row of the page table; logical slot `s` lives at page `page_table[b, s // page_size]`,
+offset `s % page_size`.
+
+Page 0 is reserved as the *null page*. Unused page-table entries point at it, and
+writes from padding tokens (ragged prompts padded to a bucket, padded batch
+rows) land there. Nothing ever reads the null page through a valid slot, so the
+garbage is harmless, and the scatter needs no masking, which keeps it a single
+in-place update inside the donated buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised by the allocator when a request needs more pages than are free."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array  # [layers, num_pages, page_size, kv_heads, head_dim]
+    v: jax.Array  # [layers, num_pages, page_size, kv_heads, head_dim]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @classmethod
+    def zeros(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=jnp.float32):
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype=jnp.float32) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def slot_to_page(
+    page_table: jax.Array,  # [B, max_pages] int32
+    slots: jax.Array,  # [B, T] int32 logical token slots
+    page_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Physical (page, offset) of each logical slot; out-of-table slots go to the null page."""
+    max_pages = page_table.shape[1]
+    page_idx = slots // page_size
+    in_table = (page_idx >= 0) & (page_idx < max_pages)
+    pages = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, max_pages - 1), axis=1)
+    pages = jnp.where(in_table, pages, NULL_PAGE)
+    return pages, slots % page_size
+
+
+def write_layer_kv(
+    cache_k: jax.Array,  # [layers, P, page_size, kvh, hd]
+    cache_v: jax.Array,  # [layers, P, page_size, kvh, hd]
+    layer: jax.Array | int,  # scalar
+    pages: jax.Array,  # [B, T] physical page per new token
+    offsets: jax.Array,  # [B, T] offset in page per new token
+    k_new: jax.Array,  # [B, T, kvh, hd]
+    v_new: jax.Array,  # [B, T, kvh, hd]
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter one layer's new K/V into the cache in place (the cache is a scan carry)."""
+    cache_k = cache_k.at[layer, pages, offsets].set(k_new.astype(cache_k.dtype))
+    cache_v = cache_v.at[layer, pages, offsets].set(v_new.astype(cache_v.dtype))
+    return cache_k, cache_v
+
+
+class PageAllocator:
+    """Host-side free list of physical pages.
+
+    Pages are handed out per sequence (`seq_id`) and returned with `free`.
+    Invariant (property-tested): used + free == total allocatable pages, and no
+    page is owned twice. Page 0 (the null page) is never handed out.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # LIFO free list: recently freed pages are reused first (warm in cache).
+        self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))
+        self._owned: dict[object, list[int]] = {}
+
+    @property
+    def total(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.total - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.pages_for(num_tokens) <= self.num_free
+
+    def owned(self, seq_id) -> list[int]:
+        return list(self._owned.get(seq_id, ()))
+
+    def allocate(self, seq_id, num_tokens: int) -> list[int]:
+        """Grow `seq_id` so it can hold `num_tokens` slots; returns its full page list."""
+        have = self._owned.setdefault(seq_id, [])
+        need = self.pages_for(num_tokens) - len(have)
+        if need > len(self._free):
+            if not have:
+                del self._owned[seq_id]
+            raise OutOfPagesError(
+                f"KV cache out of pages: sequence {seq_id!r} needs {need} more page(s) "
+                f"of {self.page_size} tokens, {len(self._free)} free of {self.total}"
+            )
+        for _ in range(max(need, 0)):
+            have.append(self._free.pop())
+        return list(have)
+
+    def free(self, seq_id) -> int:
+        """Return all pages of `seq_id` to the pool; returns how many were freed."""
+        pages = self._owned.pop(seq_id, [])
+        self._free.extend(reversed(pages))
+        return len(pages)
+
+    def free_all(self) -> None:
+        for seq_id in list(self._owned):
+            self.free(seq_id)
+
+    def page_table_row(self, seq_id, max_pages: int) -> np.ndarray:
+        """One page-table row, padded with the null page."""
+        row = np.full((max_pages,), NULL_PAGE, np.int32)
+        pages = self._owned.get(seq_id, [])
+        if len(pages) > max_pages:
+            raise ValueError(
+                f"sequence {seq_id!r} owns {len(pages)} pages, more than the table width {max_pages}"
+            )
+        row[: len(pages)] = pages
+        return row
+
+    def usage(self) -> dict[str, int]:
+        return {"total": self.total, "used": self.num_used, "free": self.num_free}

@@ -1,0 +1,113 @@
+"""The Llama-family decoder as a pure function over the params pytree.
+
+Layers are stacked and run under `lax.scan`, so compile time does not grow with
+depth. The KV cache rides in the scan carry and is updated in place; the caller
+donates it to the jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache.attention import paged_attention
+from jaxspec.cache.paged import KVCache, slot_to_page, write_layer_kv
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [B, K, V] at the requested positions (K = T when all)
+    cache: KVCache
+    # Final-norm hidden state at the same positions [B, K, D], when asked for.
+    last_hidden: jax.Array | None = None
+    # Outputs of the chosen decoder layers, [len(hidden_layers), B, T, D], when asked for.
+    layer_hidden: jax.Array | None = None
+
+
+def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offsets, attn_args):
+    """One layer's attention: project, rotate, write K/V, attend over the paged cache."""
+    b, t, _ = x.shape
+    q = linear(x, lp["wq"])
+    k = linear(x, lp["wk"])
+    v = linear(x, lp["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
+    page_table, q_start, kv_len, tree_mask = attn_args
+    out = paged_attention(
+        q, cache_k[layer], cache_v[layer], page_table, q_start, kv_len, tree_mask,
+        scale=cfg.head_dim**-0.5,
+    )
+    return linear(out.reshape(b, t, cfg.q_size), lp["wo"]), cache_k, cache_v
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # [B, T] int32
+    positions: jax.Array,  # [B, T] int32 RoPE positions (tree nodes share depth positions)
+    cache: KVCache,
+    page_table: jax.Array,  # [B, max_pages] int32
+    q_start: jax.Array,  # [B] int32 cache slot of tokens[:, 0]
+    kv_len: jax.Array,  # [B] int32 = q_start + number of valid tokens in the block
+    tree_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal block
+    logits_index: jax.Array | None = None,  # [B, K] int32 positions to project; None = all
+    return_last_hidden: bool = False,
+    hidden_layers: tuple[int, ...] = (),
+) -> ForwardOutput:
+    """Run the decoder over a block of T new tokens per sequence.
+
+    Token t of sequence b is written to cache slot q_start[b] + t; tokens at or past
+    kv_len[b] are padding and write to the null page.
+    """
+    b, t = tokens.shape
+    # 1. Embedding and RoPE tables, shared by every layer.
+    x = params["embed"][tokens]
+    cos, sin = rope_tables(positions, rope_inv_freq(cfg))
+    slots = q_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    pages, offsets = slot_to_page(page_table, slots, cache.page_size)
+    # Padding tokens write to the null page, never over a live slot.
+    pages = jnp.where(slots < kv_len[:, None], pages, 0)
+    attn_args = (page_table, q_start, kv_len, tree_mask)
+    want = jnp.array(hidden_layers, jnp.int32) if hidden_layers else None
+
+    # 2. The decoder stack under lax.scan; the cache is part of the carry.
+    def layer_step(carry, xs):
+        h, ck, cv = carry
+        lp, layer = xs
+        a, ck, cv = _attention_block(
+            cfg, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, ck, cv,
+            layer, pages, offsets, attn_args,
+        )
+        h = h + a
+        m = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        h = h + linear(jax.nn.silu(linear(m, lp["w_gate"])) * linear(m, lp["w_up"]), lp["w_down"])
+        return (h, ck, cv), (h if want is not None else None)
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, ck, cv), per_layer = jax.lax.scan(layer_step, (x, cache.k, cache.v), (params["layers"], layer_ids))
+
+    # 3. Final norm and LM head, only at the positions the caller needs.
+    if logits_index is not None:
+        x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    logits = linear(x, head).astype(jnp.float32)
+    return ForwardOutput(
+        logits=logits,
+        cache=KVCache(k=ck, v=cv),
+        last_hidden=x if return_last_hidden else None,
+        layer_hidden=per_layer[want] if want is not None else None,
+    )
