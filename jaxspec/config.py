@@ -1,0 +1,166 @@
+"""One frozen configuration tree, loaded from `configs/*.toml`, overridable on the CLI.
+
+    [model]     where the weights come from, dtype
+    [engine]    paged cache and static shape buckets
+    [sampling]  per-request defaults
+    [spec]      speculative decoding
+
+`load_config("configs/x.toml", {"engine.page_size": 1})` reads the file and then
+applies dotted overrides; unknown sections or keys and ill-typed values raise
+`ConfigValueError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+
+class ConfigValueError(ValueError):
+    """An invalid configuration value; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    path: str = "default"
+    dtype: str = "float32"
+    cache_dir: str = ""  # "" = $JAXSPEC_CACHE or ~/.cache/jaxspec
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSection:
+    page_size: int = 16
+    num_pages: int = 0  # 0 = enough for max_batch_size sequences of max_context tokens
+    max_batch_size: int = 8
+    max_context: int = 2048
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    length_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSection:
+    algorithm: str = "none"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+    verify: str = "greedy"
+    threshold_single: float = 1.0
+    threshold_acc: float = 1.0
+    draft_model: str = ""
+    draft_layers: int = 0
+    ngram_min_match: int = 1
+    ngram_max_match: int = 4
+    ngram_corpus: str = ""
+    simulate_accept_length: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelSection = ModelSection()
+    engine: EngineSection = EngineSection()
+    sampling: SamplingSection = SamplingSection()
+    spec: SpecSection = SpecSection()
+
+    def validate(self) -> "Config":
+        e, s = self.engine, self.sampling
+        checks = [
+            (self.model.dtype in ("float32", "bfloat16"), "model.dtype must be float32 or bfloat16"),
+            (e.page_size >= 1, "engine.page_size must be >= 1"),
+            (e.num_pages >= 0, "engine.num_pages must be >= 0 (0 = automatic)"),
+            (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),
+            (e.max_context >= 2, "engine.max_context must be >= 2"),
+            (all(b >= 1 for b in e.batch_buckets), "engine.batch_buckets must be positive"),
+            (all(b >= 1 for b in e.length_buckets), "engine.length_buckets must be positive"),
+            (s.max_new_tokens >= 1, "sampling.max_new_tokens must be >= 1"),
+            (s.temperature >= 0, "sampling.temperature must be >= 0"),
+            (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
+            (s.top_k >= 0, "sampling.top_k must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigValueError(msg)
+        return self
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigValueError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(key, v, typing.get_args(annotation)[0]) for v in value)
+    try:
+        if annotation is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if annotation is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if annotation is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigValueError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
+
+
+def _section_with(section: Any, name: str, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(type(section))
+    updates = {}
+    for key, value in values.items():
+        if key not in hints:
+            valid = ", ".join(sorted(hints))
+            raise ConfigValueError(f"unknown key {name}.{key}; valid keys: {valid}")
+        updates[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return dataclasses.replace(section, **updates)
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Apply {"section.key": value} (or {"section": {key: value}}) on top of `cfg`."""
+    grouped: dict[str, dict[str, Any]] = {}
+    for dotted, value in overrides.items():
+        if isinstance(value, dict) and "." not in dotted:
+            grouped.setdefault(dotted, {}).update(value)
+            continue
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigValueError(f"override {dotted!r} must look like section.key")
+        grouped.setdefault(section, {})[key] = value
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for section, values in grouped.items():
+        if section not in sections:
+            raise ConfigValueError(f"unknown config section [{section}]; valid: {sorted(sections)}")
+        cfg = dataclasses.replace(cfg, **{section: _section_with(getattr(cfg, section), section, values)})
+    return cfg.validate()
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    cfg = Config()
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigValueError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigValueError(f"{path}: invalid TOML: {e}") from None
+        cfg = apply_overrides(cfg, data)
+    return apply_overrides(cfg, overrides or {})

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints and the embedded SmolLM2.
+
+Tiny models are built with transformers (torch CPU), saved with
+`save_pretrained`, and loaded by jaxspec, so every test crosses the real
+loading path. The torch model is kept alongside as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_tiny_hf(kind: str, **overrides):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2, "mistral": 3}[kind])
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**{"head_dim": 32, **common})
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**common)
+        model = tf.MistralForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    # Random init gives near-uniform logits, where fp32 rounding flips argmax
+    # ties constantly; sharpen the LM head so greedy paths are well separated.
+    with torch.no_grad():
+        head = model.lm_head.weight if not cfg.tie_word_embeddings else model.model.embed_tokens.weight
+        head.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """{kind: (saved dir, torch model)} for llama, qwen2, qwen3."""
+    out = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        model = make_tiny_hf(kind)
+        path = tmp_path_factory.mktemp(f"tiny_{kind}")
+        model.save_pretrained(path)
+        out[kind] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct, converted once to the jaxspec cache."""
+    from jaxspec.models.loading import load_model
+
+    return load_model("default", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf(smollm):
+    import torch
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(smollm.path, dtype=torch.float32).eval()

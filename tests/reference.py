@@ -1,0 +1,46 @@
+"""Hugging Face references and the tie-aware greedy comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face `generate`, greedy, EOS ignored."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0, eos_token_id=None,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_last_logits(model, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+def assert_greedy_equal(model, prompt_ids, ours, ref, eps: float = 1e-4):
+    """Token-for-token equality, except at a genuine fp32 near-tie.
+
+    At the first divergence the reference's top-2 logit margin must be under
+    `eps` and our token must be its runner-up; anything else is a bug. After a
+    legitimate tie the continuations differ, so comparison stops there.
+    """
+    assert len(ours) == len(ref), (len(ours), len(ref))
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        logits = hf_last_logits(model, list(prompt_ids) + list(ref[:i]))
+        top2 = np.argsort(logits)[-2:][::-1]
+        margin = float(logits[top2[0]] - logits[top2[1]])
+        assert margin < eps * max(1.0, abs(float(logits[top2[0]]))) and a == int(top2[1]), (
+            f"divergence at token {i}: ours {a}, reference {b}, top-2 {top2.tolist()}, margin {margin:.3g}"
+        )
+        return i
+    return len(ref)
