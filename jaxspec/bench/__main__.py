@@ -1,0 +1,20 @@
+"""`python -m jaxspec.bench {decode,spec,serve} ...`: benchmarks that print ratios measured side by side."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITES = {"decode": "jaxspec.bench.decode"}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUITES:
+        print(f"usage: python -m jaxspec.bench {{{','.join(SUITES)}}} [options]", file=sys.stderr)
+        return 2
+    return importlib.import_module(SUITES[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

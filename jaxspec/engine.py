@@ -1,0 +1,321 @@
+"""Plain (non-speculative) generation: bucketed, AOT-compiled prefill and decode loop.
+
+Two pure functions per shape bucket, compiled ahead of time and cached:
+
+* `prefill_fn(params, cache, tokens [B, L], prompt_lens [B], page_table, sampling)`
+  writes the prompts' K/V and samples each sequence's first new token;
+* `decode_fn(params, state)` runs a `lax.while_loop` of single-token decode steps
+  until every sequence is done, with the `DecodeState` pytree as the carry.
+
+The cache is donated to both, so it is updated in place. Buckets are
+(batch, prompt length, context) for prefill and (batch, context) for decode;
+calls go straight to the compiled executables, so an already-compiled bucket
+can never retrace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache.paged import KVCache, PageAllocator
+from jaxspec.config import EngineSection
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import forward
+from jaxspec.spec.sampling import sample_token
+
+MAX_STOP_IDS = 8
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the problem."""
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Result:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (a stop token) or "length"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingParams:
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] f32
+    seed: jax.Array  # [B] uint32
+    stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32, -1 padded
+    max_new: jax.Array  # [B] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    cache: KVCache
+    page_table: jax.Array  # [B, max_pages] int32
+    seq_lens: jax.Array  # [B] int32 tokens whose K/V is in the cache
+    last_token: jax.Array  # [B] int32 newest token, not yet in the cache
+    output: jax.Array  # [B, max_out] int32 generated tokens, -1 padded
+    num_generated: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    sampling: SamplingParams
+
+
+def emit_token(state_out, num_generated, done, token, sampling):
+    """Append `token` [B] to unfinished sequences and update their done flags."""
+    live = ~done
+    b = jnp.arange(token.shape[0])
+    idx = jnp.minimum(num_generated, state_out.shape[1] - 1)
+    state_out = state_out.at[b, idx].set(jnp.where(live, token, state_out[b, idx]))
+    num_generated = num_generated + live.astype(jnp.int32)
+    hit_stop = jnp.any(token[:, None] == sampling.stop_ids, axis=-1)
+    done = done | (live & (hit_stop | (num_generated >= sampling.max_new)))
+    return state_out, num_generated, done
+
+
+def make_prefill_fn(cfg: ModelConfig):
+    def prefill_fn(params, cache, tokens, prompt_lens, page_table, sampling: SamplingParams, max_out: int):
+        # tokens [B, L] int32 right-padded; prompt_lens [B] int32 (0 = padding row)
+        b, _ = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        last = jnp.maximum(prompt_lens - 1, 0)[:, None]
+        out = forward(
+            params, cfg, tokens, positions, cache, page_table,
+            q_start=jnp.zeros((b,), jnp.int32), kv_len=prompt_lens, logits_index=last,
+        )
+        first = sample_token(
+            out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
+            sampling.seed, prompt_lens,
+        )
+        output = jnp.full((b, max_out), -1, jnp.int32)
+        done = prompt_lens == 0
+        output, num_generated, done = emit_token(output, jnp.zeros((b,), jnp.int32), done, first, sampling)
+        return DecodeState(
+            cache=out.cache, page_table=page_table, seq_lens=prompt_lens, last_token=first,
+            output=output, num_generated=num_generated, done=done, sampling=sampling,
+        )
+
+    return prefill_fn
+
+
+def make_decode_fn(cfg: ModelConfig):
+    def decode_fn(params, state: DecodeState) -> DecodeState:
+        def cond(s: DecodeState):
+            return ~jnp.all(s.done)
+
+        def body(s: DecodeState) -> DecodeState:
+            # 1. Feed each sequence's newest token at slot seq_len; done rows write
+            #    to the null page (kv_len == q_start) and their output is ignored.
+            live = ~s.done
+            kv_len = s.seq_lens + live.astype(jnp.int32)
+            out = forward(
+                params, cfg, s.last_token[:, None], s.seq_lens[:, None], s.cache, s.page_table,
+                q_start=s.seq_lens, kv_len=kv_len,
+            )
+            # 2. Sample the next token at absolute position kv_len (seeded by position).
+            token = sample_token(
+                out.logits[:, 0], s.sampling.temperature, s.sampling.top_k, s.sampling.top_p,
+                s.sampling.seed, kv_len,
+            )
+            output, num_generated, done = emit_token(s.output, s.num_generated, s.done, token, s.sampling)
+            return dataclasses.replace(
+                s, cache=out.cache, seq_lens=kv_len, last_token=jnp.where(live, token, s.last_token),
+                output=output, num_generated=num_generated, done=done,
+            )
+
+        return jax.lax.while_loop(cond, body, state)
+
+    return decode_fn
+
+
+def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
+    for b in sorted(buckets):
+        if n <= b:
+            return b
+    raise RequestError(f"{what} {n} exceeds the largest bucket {max(buckets)}")
+
+
+class Engine:
+    """Owns params, the paged cache and the compiled executables of one model."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True):
+        self.params = params
+        self.cfg = cfg
+        self.ecfg = engine_cfg
+        self.progress = progress
+        self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
+        self.page_size = engine_cfg.page_size
+        ctx_bucket = bucket_for(self.max_context, engine_cfg.length_buckets, "max_context")
+        pages_per_seq = -(-ctx_bucket // self.page_size)
+        num_pages = engine_cfg.num_pages or engine_cfg.max_batch_size * pages_per_seq + 1
+        dtype = params["embed"].dtype
+        self.cache = KVCache.zeros(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        self._prefill = jax.jit(make_prefill_fn(cfg), donate_argnums=(1,), static_argnums=(6,))
+        self._decode = jax.jit(make_decode_fn(cfg), donate_argnums=(1,))
+        self._compiled: dict[tuple, object] = {}
+        self.last_timing: dict[str, float] = {}
+
+    # ---- buckets and compilation -------------------------------------------------
+
+    def batch_bucket(self, n: int) -> int:
+        return bucket_for(min(n, self.ecfg.max_batch_size), self.ecfg.batch_buckets, "batch size")
+
+    def buckets_for(self, batch: int, prompt_len: int, total_len: int) -> tuple[int, int, int]:
+        if total_len > self.max_context:
+            raise RequestError(
+                f"prompt of {prompt_len} tokens + max_new_tokens exceeds the context of "
+                f"{self.max_context} tokens"
+            )
+        lb = bucket_for(prompt_len, self.ecfg.length_buckets, "prompt length")
+        ctx = bucket_for(max(total_len, lb), self.ecfg.length_buckets, "context")
+        return self.batch_bucket(batch), lb, ctx
+
+    def _abstract_inputs(self, b: int, lb: int, ctx: int):
+        maxp = -(-ctx // self.page_size)
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+        sampling = SamplingParams(
+            temperature=f32(b), top_k=i32(b), top_p=f32(b),
+            seed=jax.ShapeDtypeStruct((b,), jnp.uint32), stop_ids=i32(b, MAX_STOP_IDS), max_new=i32(b),
+        )
+        return i32(b, lb), i32(b), i32(b, maxp), sampling
+
+    def compile(self, buckets: Sequence[tuple[int, int, int]]) -> None:
+        """AOT-compile prefill and decode for each (batch, prompt_len, context) bucket."""
+        from tqdm.auto import tqdm
+
+        todo = []
+        for b, lb, ctx in buckets:
+            if ("prefill", b, lb, ctx) not in self._compiled:
+                todo.append(("prefill", b, lb, ctx))
+            if ("decode", b, ctx) not in self._compiled:
+                todo.append(("decode", b, ctx))
+        todo = list(dict.fromkeys(todo))
+        for key in tqdm(todo, desc="compiling buckets", disable=not self.progress or not todo):
+            if key[0] == "prefill":
+                _, b, lb, ctx = key
+                tokens, lens, pt, sampling = self._abstract_inputs(b, lb, ctx)
+                lowered = self._prefill.lower(self.params, self.cache, tokens, lens, pt, sampling, ctx)
+            else:
+                _, b, ctx = key
+                state = self._abstract_state(b, ctx)
+                lowered = self._decode.lower(self.params, state)
+            self._compiled[key] = lowered.compile()
+
+    def _abstract_state(self, b: int, ctx: int) -> DecodeState:
+        tokens, lens, pt, sampling = self._abstract_inputs(b, 1, ctx)
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        return DecodeState(
+            cache=jax.tree.map(shape, self.cache), page_table=pt, seq_lens=lens, last_token=lens,
+            output=i32(b, ctx), num_generated=lens, done=jax.ShapeDtypeStruct((b,), jnp.bool_),
+            sampling=sampling,
+        )
+
+    # ---- generation --------------------------------------------------------------
+
+    def validate(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise RequestError("empty prompt: at least one prompt token is required")
+        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if req.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if len(req.prompt_ids) + req.max_new_tokens > self.max_context:
+            raise RequestError(
+                f"prompt of {len(req.prompt_ids)} tokens + max_new_tokens {req.max_new_tokens} "
+                f"exceeds the context of {self.max_context} tokens"
+            )
+        if len(req.stop_token_ids) > MAX_STOP_IDS:
+            raise RequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
+
+    def plan(self, requests: Sequence[Request]) -> list[tuple[list[int], tuple[int, int, int]]]:
+        """Split requests into batches and choose each batch's bucket."""
+        for r in requests:
+            self.validate(r)
+        step = self.ecfg.max_batch_size
+        plans = []
+        for start in range(0, len(requests), step):
+            idx = list(range(start, min(start + step, len(requests))))
+            lp = max(len(requests[i].prompt_ids) for i in idx)
+            total = max(len(requests[i].prompt_ids) + requests[i].max_new_tokens for i in idx)
+            plans.append((idx, self.buckets_for(len(idx), lp, total)))
+        return plans
+
+    def generate(self, requests: Sequence[Request]) -> list[Result]:
+        plans = self.plan(requests)
+        self.compile(sorted({bk for _, bk in plans}))
+        results: list[Result | None] = [None] * len(requests)
+        timing = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}
+        for idx, bucket in plans:
+            for i, res in zip(idx, self._run_batch([requests[i] for i in idx], bucket, timing)):
+                results[i] = res
+        self.last_timing = timing
+        return results  # type: ignore[return-value]
+
+    def _run_batch(self, reqs: list[Request], bucket, timing) -> list[Result]:
+        b, lb, ctx = bucket
+        maxp = -(-ctx // self.page_size)
+        tokens = np.zeros((b, lb), np.int32)
+        lens = np.zeros((b,), np.int32)
+        page_table = np.zeros((b, maxp), np.int32)
+        temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
+        topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
+        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        seq_ids = [object() for _ in reqs]
+        try:
+            # 1. Pages for the whole budget up front: the loop never needs the host.
+            for i, (r, sid) in enumerate(zip(reqs, seq_ids)):
+                self.allocator.allocate(sid, len(r.prompt_ids) + r.max_new_tokens)
+                page_table[i] = self.allocator.page_table_row(sid, maxp)
+                tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+                lens[i] = len(r.prompt_ids)
+                temp[i], topp[i], topk[i] = r.temperature, r.top_p, r.top_k
+                seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), r.max_new_tokens
+                stop[i, : len(r.stop_token_ids)] = r.stop_token_ids
+            sampling = SamplingParams(
+                temperature=jnp.asarray(temp), top_k=jnp.asarray(topk), top_p=jnp.asarray(topp),
+                seed=jnp.asarray(seed), stop_ids=jnp.asarray(stop), max_new=jnp.asarray(max_new),
+            )
+            # 2. Prefill, then the on-device decode loop.
+            t0 = time.perf_counter()
+            state = self._compiled[("prefill", b, lb, ctx)](
+                self.params, self.cache, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(page_table), sampling
+            )
+            state.last_token.block_until_ready()
+            t1 = time.perf_counter()
+            state = self._compiled[("decode", b, ctx)](self.params, state)
+            output, num_gen = jax.device_get((state.output, state.num_generated))
+            t2 = time.perf_counter()
+            self.cache = state.cache
+        finally:
+            for sid in seq_ids:
+                self.allocator.free(sid)
+        timing["prefill_s"] += t1 - t0
+        timing["decode_s"] += t2 - t1
+        results = []
+        for i, r in enumerate(reqs):
+            out = output[i, : num_gen[i]].tolist()
+            timing["new_tokens"] += len(out)
+            stopped = bool(out) and out[-1] in r.stop_token_ids
+            results.append(Result(list(r.prompt_ids), out, "stop" if stopped else "length"))
+        return results
