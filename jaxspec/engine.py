@@ -52,6 +52,7 @@ class Result:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: str  # "stop" (a stop token) or "length"
+    accept_lengths: list[int] | None = None  # speculative: committed tokens per verify step
 
 
 @jax.tree_util.register_dataclass
@@ -115,6 +116,32 @@ def make_prefill_fn(cfg: ModelConfig):
     return prefill_fn
 
 
+def make_spec_prefill_fn(cfg: ModelConfig, drafter):
+    """Target prefill, then the loop carry of the speculative loop (and the draft prefill)."""
+    from jaxspec.spec.loop import SpecState
+    from jaxspec.spec.standalone import DraftState
+
+    prefill = make_prefill_fn(cfg)
+
+    def spec_prefill_fn(params, draft_params, cache, draft_cache, tokens, prompt_lens, page_table, sampling, max_out):
+        d = prefill(params, cache, tokens, prompt_lens, page_table, sampling, max_out)
+        b = tokens.shape[0]
+        history = jnp.zeros((b, max_out), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
+        history = history.at[jnp.arange(b), prompt_lens].set(d.last_token, mode="drop")
+        draft = None
+        if drafter is not None:
+            state = DraftState(cache=draft_cache, draft_len=jnp.zeros((b,), jnp.int32))
+            draft = drafter.prefill(draft_params, state, tokens, prompt_lens, page_table)
+        return SpecState(
+            cache=d.cache, draft=draft, page_table=page_table, history=history,
+            hist_len=prompt_lens + (prompt_lens > 0).astype(jnp.int32), prompt_lens=prompt_lens,
+            done=d.done, num_verify=jnp.zeros((b,), jnp.int32),
+            accept_lens=jnp.zeros((b, max_out), jnp.int32), sampling=sampling,
+        )
+
+    return spec_prefill_fn
+
+
 def make_decode_fn(cfg: ModelConfig):
     def decode_fn(params, state: DecodeState) -> DecodeState:
         def cond(s: DecodeState):
@@ -155,7 +182,12 @@ def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
 class Engine:
     """Owns params, the paged cache and the compiled executables of one model."""
 
-    def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True):
+    def __init__(
+        self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
+        spec=None, draft: tuple[dict, ModelConfig] | None = None,
+    ):
+        """`spec`: a SpecSection (algorithm != "none" turns speculation on);
+        `draft`: (params, config) of the STANDALONE draft model."""
         self.params = params
         self.cfg = cfg
         self.ecfg = engine_cfg
@@ -168,10 +200,47 @@ class Engine:
         dtype = params["embed"].dtype
         self.cache = KVCache.zeros(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self._prefill = jax.jit(make_prefill_fn(cfg), donate_argnums=(1,), static_argnums=(6,))
-        self._decode = jax.jit(make_decode_fn(cfg), donate_argnums=(1,))
+        self.spec_plan = None
+        self.draft_params = None
+        self.draft_cache = None
+        if spec is not None and spec.algorithm.lower() != "none":
+            self._init_spec(spec, draft, num_pages)
+        else:
+            self._prefill = jax.jit(make_prefill_fn(cfg), donate_argnums=(1,), static_argnums=(6,))
+            self._decode = jax.jit(make_decode_fn(cfg), donate_argnums=(1,))
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
+
+    def _init_spec(self, spec, draft, num_pages: int) -> None:
+        from jaxspec.spec.loop import SpecPlan, make_spec_decode_fn
+        from jaxspec.spec.standalone import StandaloneDrafter
+
+        plan = SpecPlan.from_config(spec)
+        drafter = None
+        if plan.algorithm == "standalone":
+            if draft is None:
+                raise RequestError("standalone speculation needs a draft model")
+            self.draft_params, dcfg = draft
+            if dcfg.vocab_size != self.cfg.vocab_size:
+                raise RequestError(
+                    f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
+                    "the draft model must share the target's tokenizer"
+                )
+            drafter = StandaloneDrafter(
+                dcfg, plan.num_steps, plan.topk, plan.num_draft_tokens, sample_drafts=plan.verify == "rejection"
+            )
+            self.draft_cache = KVCache.zeros(
+                dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim,
+                self.draft_params["embed"].dtype,
+            )
+        self.spec_plan = plan
+        self._prefill = jax.jit(make_spec_prefill_fn(self.cfg, drafter), donate_argnums=(2, 3), static_argnums=(8,))
+        self._decode = jax.jit(make_spec_decode_fn(plan, self.cfg, drafter), donate_argnums=(2,))
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Cache slots a sequence needs beyond prompt + max_new: the verify tree's scratch."""
+        return self.spec_plan.num_draft_tokens if self.spec_plan else 0
 
     # ---- buckets and compilation -------------------------------------------------
 
@@ -212,23 +281,24 @@ class Engine:
         for key in tqdm(todo, desc="compiling buckets", disable=not self.progress or not todo):
             if key[0] == "prefill":
                 _, b, lb, ctx = key
-                tokens, lens, pt, sampling = self._abstract_inputs(b, lb, ctx)
-                lowered = self._prefill.lower(self.params, self.cache, tokens, lens, pt, sampling, ctx)
+                lowered = self._prefill.lower(*self._prefill_args(*self._abstract_inputs(b, lb, ctx)), ctx)
             else:
                 _, b, ctx = key
-                state = self._abstract_state(b, ctx)
-                lowered = self._decode.lower(self.params, state)
+                state = jax.eval_shape(
+                    lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
+                )
+                lowered = self._decode.lower(*self._decode_args(state))
             self._compiled[key] = lowered.compile()
 
-    def _abstract_state(self, b: int, ctx: int) -> DecodeState:
-        tokens, lens, pt, sampling = self._abstract_inputs(b, 1, ctx)
-        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        return DecodeState(
-            cache=jax.tree.map(shape, self.cache), page_table=pt, seq_lens=lens, last_token=lens,
-            output=i32(b, ctx), num_generated=lens, done=jax.ShapeDtypeStruct((b,), jnp.bool_),
-            sampling=sampling,
-        )
+    def _prefill_args(self, tokens, lens, page_table, sampling) -> tuple:
+        if self.spec_plan is None:
+            return (self.params, self.cache, tokens, lens, page_table, sampling)
+        return (self.params, self.draft_params, self.cache, self.draft_cache, tokens, lens, page_table, sampling)
+
+    def _decode_args(self, state) -> tuple:
+        if self.spec_plan is None:
+            return (self.params, state)
+        return (self.params, self.draft_params, state)
 
     # ---- generation --------------------------------------------------------------
 
@@ -240,10 +310,10 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if req.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        if len(req.prompt_ids) + req.max_new_tokens > self.max_context:
+        if len(req.prompt_ids) + req.max_new_tokens + self.reserve_tokens > self.max_context:
             raise RequestError(
                 f"prompt of {len(req.prompt_ids)} tokens + max_new_tokens {req.max_new_tokens} "
-                f"exceeds the context of {self.max_context} tokens"
+                f"(+{self.reserve_tokens} draft-tree slots) exceeds the context of {self.max_context} tokens"
             )
         if len(req.stop_token_ids) > MAX_STOP_IDS:
             raise RequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
@@ -257,7 +327,7 @@ class Engine:
         for start in range(0, len(requests), step):
             idx = list(range(start, min(start + step, len(requests))))
             lp = max(len(requests[i].prompt_ids) for i in idx)
-            total = max(len(requests[i].prompt_ids) + requests[i].max_new_tokens for i in idx)
+            total = max(len(requests[i].prompt_ids) + requests[i].max_new_tokens for i in idx) + self.reserve_tokens
             plans.append((idx, self.buckets_for(len(idx), lp, total)))
         return plans
 
@@ -285,7 +355,7 @@ class Engine:
         try:
             # 1. Pages for the whole budget up front: the loop never needs the host.
             for i, (r, sid) in enumerate(zip(reqs, seq_ids)):
-                self.allocator.allocate(sid, len(r.prompt_ids) + r.max_new_tokens)
+                self.allocator.allocate(sid, len(r.prompt_ids) + r.max_new_tokens + self.reserve_tokens)
                 page_table[i] = self.allocator.page_table_row(sid, maxp)
                 tokens[i, : len(r.prompt_ids)] = r.prompt_ids
                 lens[i] = len(r.prompt_ids)
@@ -299,14 +369,16 @@ class Engine:
             # 2. Prefill, then the on-device decode loop.
             t0 = time.perf_counter()
             state = self._compiled[("prefill", b, lb, ctx)](
-                self.params, self.cache, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(page_table), sampling
+                *self._prefill_args(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(page_table), sampling)
             )
-            state.last_token.block_until_ready()
+            jax.block_until_ready(state.done)
             t1 = time.perf_counter()
-            state = self._compiled[("decode", b, ctx)](self.params, state)
-            output, num_gen = jax.device_get((state.output, state.num_generated))
+            state = self._compiled[("decode", b, ctx)](*self._decode_args(state))
+            outputs, accept_lens = self._outputs(state, lens)
             t2 = time.perf_counter()
             self.cache = state.cache
+            if self.draft_cache is not None:
+                self.draft_cache = state.draft.cache
         finally:
             for sid in seq_ids:
                 self.allocator.free(sid)
@@ -314,8 +386,20 @@ class Engine:
         timing["decode_s"] += t2 - t1
         results = []
         for i, r in enumerate(reqs):
-            out = output[i, : num_gen[i]].tolist()
+            out = outputs[i]
             timing["new_tokens"] += len(out)
             stopped = bool(out) and out[-1] in r.stop_token_ids
-            results.append(Result(list(r.prompt_ids), out, "stop" if stopped else "length"))
+            results.append(Result(list(r.prompt_ids), out, "stop" if stopped else "length",
+                                  accept_lens[i] if accept_lens else None))
         return results
+
+    def _outputs(self, state, prompt_lens) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Generated tokens per row, and (speculative) committed tokens per verify step."""
+        if self.spec_plan is None:
+            output, num_gen = jax.device_get((state.output, state.num_generated))
+            return [output[i, : num_gen[i]].tolist() for i in range(len(num_gen))], None
+        history, hist_len, acc, nv = jax.device_get(
+            (state.history, state.hist_len, state.accept_lens, state.num_verify)
+        )
+        outs = [history[i, prompt_lens[i] : hist_len[i]].tolist() for i in range(len(hist_len))]
+        return outs, [acc[i, : nv[i]].tolist() for i in range(len(nv))]

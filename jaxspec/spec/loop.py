@@ -1,0 +1,173 @@
+"""The speculative iteration as one pure function, run inside `lax.while_loop`.
+
+    draft -> build tree -> verify forward -> accept -> commit KV -> emit
+
+`SpecState` is the loop carry. The token history (prompt + committed output)
+lives on device, which is what lets the n-gram drafter run inside the loop.
+Invariant: history[b, hist_len[b] - 1] is the root (the last committed token,
+whose K/V is not yet in the target cache), so the target cache holds
+hist_len - 1 tokens. Accept/bonus semantics: see `jaxspec.spec.verify`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache.paged import KVCache
+from jaxspec.config import SpecSection
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import forward
+from jaxspec.spec.commit import commit_accepted_kv
+from jaxspec.spec.sampling import make_verify_noise, target_probs_from_logits
+from jaxspec.spec.tree import build_tree
+from jaxspec.spec.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    cache: KVCache
+    draft: object  # drafter state pytree (None for drafters without one)
+    page_table: jax.Array  # [B, max_pages] int32
+    history: jax.Array  # [B, C] int32 prompt + committed tokens
+    hist_len: jax.Array  # [B] int32
+    prompt_lens: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    num_verify: jax.Array  # [B] int32 verify steps taken
+    accept_lens: jax.Array  # [B, C] int32 committed tokens per verify step (num_accepted + 1)
+    sampling: object  # engine.SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPlan:
+    """Static shape of one speculative iteration, derived from the [spec] config."""
+
+    algorithm: str
+    num_draft_tokens: int  # N, root included
+    topk: int
+    num_steps: int
+    verify: str
+    threshold_single: float
+    threshold_acc: float
+    ngram_min_match: int
+    ngram_max_match: int
+    simulate_accept_length: int
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def max_depth(self) -> int:
+        if self.chain or self.algorithm == "ngram":
+            return self.num_draft_tokens - 1
+        return self.num_steps
+
+    @classmethod
+    def from_config(cls, spec: SpecSection) -> "SpecPlan":
+        return cls(
+            algorithm=spec.algorithm.lower(), num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
+            num_steps=spec.num_steps, verify=spec.verify, threshold_single=spec.threshold_single,
+            threshold_acc=spec.threshold_acc, ngram_min_match=spec.ngram_min_match,
+            ngram_max_match=spec.ngram_max_match, simulate_accept_length=spec.simulate_accept_length,
+        )
+
+
+def _draft(plan: SpecPlan, drafter, draft_params, s: SpecState):
+    """Tokens [B,N], parents [B,N] | None (chain), draft_probs [B,N,V] | None, new drafter state."""
+    live = ~s.done
+    if plan.algorithm == "ngram":
+        from jaxspec.spec.ngram import ngram_propose
+
+        tokens, parents = ngram_propose(
+            s.history, s.hist_len, num_draft_tokens=plan.num_draft_tokens, topk=plan.topk,
+            min_match=plan.ngram_min_match, max_match=plan.ngram_max_match,
+        )
+        return tokens, (None if plan.chain else parents), None, s.draft
+    return drafter.propose(draft_params, s.draft, s.history, s.hist_len, s.page_table, live, s.sampling)
+
+
+def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState, seq_lens):
+    """Accept decision under the configured rule; returns a VerifyResult."""
+    if plan.verify == "greedy":
+        predict = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return verify_greedy(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, predict,
+                             max_depth=plan.max_depth)
+    sp = s.sampling
+    probs = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    uniforms, bonus_noise = make_verify_noise(sp.seed, seq_lens, tokens.shape[1], logits.shape[-1])
+    if plan.verify == "target-only":
+        return verify_target_only(
+            tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, probs, uniforms, bonus_noise,
+            plan.threshold_single, plan.threshold_acc, max_depth=plan.max_depth,
+        )
+    return verify_rejection(
+        tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, probs, draft_probs, uniforms,
+        bonus_noise, max_depth=plan.max_depth,
+    )
+
+
+def _simulate(plan: SpecPlan, result, logits):
+    """Benchmark-only: force the chain acceptance length (output is NOT exact)."""
+    depth = plan.max_depth
+    forced = jnp.full_like(result.num_accepted, min(plan.simulate_accept_length, depth + 1) - 1)
+    accept_index = jnp.where(jnp.arange(depth + 1)[None] <= forced[:, None], jnp.arange(depth + 1)[None], -1)
+    bonus = jnp.argmax(jnp.take_along_axis(logits, forced[:, None, None], axis=1)[:, 0], axis=-1)
+    return type(result)(accept_index.astype(jnp.int32), forced, bonus.astype(jnp.int32))
+
+
+def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_params, s: SpecState) -> SpecState:
+    live = ~s.done
+    seq_lens = s.hist_len - 1
+    n = plan.num_draft_tokens
+    # 1. Draft.
+    tokens, parents, draft_probs, draft_state = _draft(plan, drafter, draft_params, s)
+    if plan.simulate_accept_length:
+        tokens = jnp.maximum(tokens, 0)  # every node is real, so the forced path exists
+    # 2. Tree: positions, mask and retrieve tables.
+    tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
+    # 3. One target forward over all N nodes; node i is written at slot seq_len + i.
+    out = forward(
+        params, cfg, jnp.maximum(tokens, 0), tree.positions, s.cache, s.page_table,
+        q_start=seq_lens, kv_len=jnp.where(live, seq_lens + n, seq_lens), tree_mask=tree.mask,
+    )
+    # 4. Accept.
+    result = _verify(plan, tree, tokens, out.logits, draft_probs, s, seq_lens)
+    if plan.simulate_accept_length:
+        result = _simulate(plan, result, out.logits)
+    # 5. Commit the accepted path's K/V contiguously (no-op moves for chains).
+    cache = commit_accepted_kv(out.cache, s.page_table, seq_lens, result.accept_index, result.num_accepted)
+    # 6. Emit: accepted drafts + bonus, cut at a stop token or max_new_tokens.
+    new = emitted_tokens(tokens, result)  # [B, D+1]
+    width = new.shape[1]
+    j = jnp.arange(width, dtype=jnp.int32)[None, :]
+    committed = result.num_accepted + 1
+    is_stop = jnp.any(new[:, :, None] == s.sampling.stop_ids[:, None, :], axis=-1) & (j < committed[:, None])
+    first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, axis=-1), width)
+    room = s.sampling.max_new - (s.hist_len - s.prompt_lens)
+    n_emit = jnp.where(live, jnp.minimum(jnp.minimum(committed, first_stop + 1), room), 0)
+    cols = jnp.where(j < n_emit[:, None], s.hist_len[:, None] + j, s.history.shape[1])
+    history = s.history.at[jnp.arange(new.shape[0])[:, None], cols].set(new, mode="drop")
+    hist_len = s.hist_len + n_emit
+    done = s.done | (live & ((first_stop < committed) | (hist_len - s.prompt_lens >= s.sampling.max_new)))
+    # 7. Metrics: committed tokens per verify (before any stop/max-tokens cut).
+    step_col = jnp.where(live, s.num_verify, s.accept_lens.shape[1])
+    accept_lens = s.accept_lens.at[jnp.arange(new.shape[0]), step_col].set(committed, mode="drop")
+    return dataclasses.replace(
+        s, cache=cache, draft=draft_state, history=history, hist_len=hist_len, done=done,
+        num_verify=s.num_verify + live.astype(jnp.int32), accept_lens=accept_lens,
+    )
+
+
+def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter):
+    def decode_fn(params, draft_params, state: SpecState) -> SpecState:
+        return jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done),
+            lambda s: spec_iteration(plan, cfg, drafter, params, draft_params, s),
+            state,
+        )
+
+    return decode_fn

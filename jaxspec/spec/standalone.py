@@ -1,0 +1,172 @@
+"""STANDALONE drafter: a smaller model with the same tokenizer and its own paged cache.
+
+The draft cache shares the target's page table (same page geometry, its own
+layer count), so drafting needs no extra page allocation.
+
+Catch-up: at the start of each iteration the tokens committed since the last
+one (the accepted drafts plus the bonus, at most max_depth + 1) are fed to
+the draft model as one causal block; the logits at the last of them give the
+first draft distribution. Draft K/V written past the committed length during
+drafting is scratch and gets overwritten by the next catch-up.
+
+Chain mode (topk = 1) feeds one token per step. Tree mode (topk > 1) expands
+the top-k frontier by cumulative log-prob (EAGLE-2 / SGLang), re-running the
+growing block of fed nodes with a tree mask at each step (simple and exact; a
+prefix-aware draft mask would avoid the recompute), then keeps the best
+num_draft_tokens - 1 nodes with `organize_draft_tree`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache.paged import KVCache
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import forward
+from jaxspec.spec.sampling import target_probs_from_logits
+from jaxspec.spec.tree import organize_draft_tree, root_step, select_frontier
+
+_DRAFT_STREAM = 0x5D
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftState:
+    cache: KVCache  # draft geometry, target page table
+    draft_len: jax.Array  # [B] int32 tokens whose draft K/V is committed
+
+
+@dataclasses.dataclass(frozen=True)
+class StandaloneDrafter:
+    cfg: ModelConfig
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    sample_drafts: bool  # rejection verify: chain drafts are sampled from q, with q returned
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_draft_tokens - 1 if self.topk == 1 else self.num_steps
+
+    def prefill(self, params, state: DraftState, tokens, prompt_lens, page_table) -> DraftState:
+        # tokens [B, L]; prompt_lens [B]
+        b, length = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+        out = forward(
+            params, self.cfg, tokens, positions, state.cache, page_table,
+            q_start=jnp.zeros((b,), jnp.int32), kv_len=prompt_lens, logits_index=jnp.zeros((b, 1), jnp.int32),
+        )
+        return DraftState(cache=out.cache, draft_len=prompt_lens)
+
+    def _catch_up(self, params, state, history, hist_len, page_table, live):
+        """Feed committed-but-unseen tokens; return logits at the newest one [B, V]."""
+        width = self.max_depth + 1
+        cols = state.draft_len[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        block = jnp.take_along_axis(history, jnp.minimum(cols, history.shape[1] - 1), axis=1)
+        kv_len = jnp.where(live, hist_len, state.draft_len)
+        last = jnp.maximum(hist_len - state.draft_len - 1, 0)[:, None]
+        out = forward(
+            params, self.cfg, block, cols, state.cache, page_table,
+            q_start=state.draft_len, kv_len=kv_len, logits_index=last,
+        )
+        return out.logits[:, 0], DraftState(cache=out.cache, draft_len=kv_len)
+
+    def propose(self, params, state: DraftState, history, hist_len, page_table, live, sampling):
+        """Returns (tokens [B,N], parents [B,N] | None for chains, draft_probs [B,N,V] | None, state)."""
+        logits, state = self._catch_up(params, state, history, hist_len, page_table, live)
+        root = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)[:, 0]
+        if self.topk == 1:
+            return self._chain(params, state, logits, root, hist_len, page_table, sampling)
+        return self._tree(params, state, logits, root, hist_len, page_table)
+
+    def _chain(self, params, state, logits, root, hist_len, page_table, sampling):
+        b = root.shape[0]
+        n = self.num_draft_tokens
+        tokens, qs = [root], []
+        cache = state.cache
+        for step in range(n - 1):
+            if self.sample_drafts:
+                # q uses the request's own temperature/top-k/top-p, so greedy
+                # requests draft greedily and q is one-hot for them.
+                q = target_probs_from_logits(
+                    logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p
+                )[:, 0]
+                keys = jax.vmap(
+                    lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), _DRAFT_STREAM)
+                )(sampling.seed, hist_len + step)
+                tok = jax.vmap(lambda k, qq: jax.random.categorical(k, jnp.log(qq)))(keys, q).astype(jnp.int32)
+                qs.append(q)
+            else:
+                tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tokens.append(tok)
+            if step < n - 2:
+                slot = hist_len + step
+                out = forward(
+                    params, self.cfg, tok[:, None], slot[:, None], cache, page_table,
+                    q_start=slot, kv_len=slot + 1,
+                )
+                logits, cache = out.logits[:, 0], out.cache
+        draft_probs = None
+        if self.sample_drafts:
+            draft_probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; root unused
+        del b
+        return jnp.stack(tokens, axis=1), None, draft_probs, DraftState(cache=cache, draft_len=state.draft_len)
+
+    def _tree(self, params, state, logits, root, hist_len, page_table):
+        # 1. Step 0 expands the root.
+        k, steps = self.topk, self.num_steps
+        b = root.shape[0]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        s0, t0 = jax.lax.top_k(logp, k)
+        tok0, sc0 = root_step(t0.astype(jnp.int32), s0)
+        step_tokens, step_scores = [tok0], [sc0]
+        step_frontier = [jnp.zeros((b, k), jnp.int32)]
+        fed_tokens, fed_parent, fed_scores = [], [], []  # per fed node (block order)
+        cache = state.cache
+        # 2. Steps 1..S-1: feed the frontier chosen from the previous step's grid.
+        for s in range(1, steps):
+            front = select_frontier(step_scores[-1])  # [B, K] flat f*K + c
+            step_frontier.append(front)
+            prev_tok = step_tokens[-1].reshape(b, k * k)
+            prev_sc = step_scores[-1].reshape(b, k * k)
+            fed_tokens.append(jnp.take_along_axis(prev_tok, front, axis=1))
+            fed_scores.append(jnp.take_along_axis(prev_sc, front, axis=1))
+            # Parent of a fed node: the fed node of step s-1 in frontier row front // K (root at s = 1).
+            base = (s - 2) * k
+            fed_parent.append(jnp.where(s == 1, -1, base + front // k))
+            block = jnp.concatenate(fed_tokens, axis=1)  # [B, s*K]
+            parents = jnp.concatenate(fed_parent, axis=1)
+            mask = _ancestor_mask(parents)  # [B, s*K, s*K]
+            depth = mask.sum(-1).astype(jnp.int32)  # 1 for step-1 nodes
+            positions = (hist_len - 1)[:, None] + depth
+            out = forward(
+                params, self.cfg, jnp.maximum(block, 0), positions, cache, page_table,
+                q_start=hist_len, kv_len=hist_len + block.shape[1], tree_mask=mask,
+                logits_index=jnp.broadcast_to(jnp.arange((s - 1) * k, s * k, dtype=jnp.int32), (b, k)),
+            )
+            cache = out.cache
+            lp = jax.nn.log_softmax(out.logits, axis=-1)  # [B, K, V]
+            cs, ct = jax.lax.top_k(lp, k)  # [B, K(frontier), K(children)]
+            cum = fed_scores[-1][:, :, None] + cs
+            dead = fed_tokens[-1][:, :, None] < 0
+            step_tokens.append(jnp.where(dead, -1, ct.astype(jnp.int32)))
+            step_scores.append(jnp.where(dead, -jnp.inf, cum))
+        tokens, parents, _ = organize_draft_tree(
+            root, jnp.stack(step_tokens, 1), jnp.stack(step_scores, 1), jnp.stack(step_frontier, 1),
+            self.num_draft_tokens,
+        )
+        return tokens, parents, None, DraftState(cache=cache, draft_len=state.draft_len)
+
+
+def _ancestor_mask(parents: jax.Array) -> jax.Array:
+    """[B, T, T] ancestor-or-self among fed nodes; parents [B, T] (-1 = root, outside the block)."""
+    b, t = parents.shape
+    eye = jnp.eye(t, dtype=bool)[None]
+    par = (parents[:, :, None] == jnp.arange(t)[None, None, :]) & (parents[:, :, None] >= 0)
+    mask = eye | par
+    for _ in range(max(1, (t - 1).bit_length())):
+        mask = mask | jnp.einsum("bij,bjk->bik", mask.astype(jnp.int32), mask.astype(jnp.int32)).astype(bool)
+    return mask
