@@ -215,7 +215,9 @@ class Engine:
         from jaxspec.spec.loop import SpecPlan, make_spec_decode_fn
         from jaxspec.spec.standalone import StandaloneDrafter
 
-        plan = SpecPlan.from_config(spec)
+        from jaxspec.spec.algorithm import validate_spec_config
+
+        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=True))
         drafter = None
         if plan.algorithm == "standalone":
             if draft is None:

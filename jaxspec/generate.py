@@ -32,6 +32,19 @@ FLAG_KEYS = {
     "top_k": "sampling.top_k",
     "seed": "sampling.seed",
     "ignore_eos": "sampling.ignore_eos",
+    "spec": "spec.algorithm",
+    "num_steps": "spec.num_steps",
+    "topk": "spec.topk",
+    "num_draft_tokens": "spec.num_draft_tokens",
+    "verify": "spec.verify",
+    "threshold_single": "spec.threshold_single",
+    "threshold_acc": "spec.threshold_acc",
+    "draft_model": "spec.draft_model",
+    "draft_layers": "spec.draft_layers",
+    "ngram_min_match": "spec.ngram_min_match",
+    "ngram_max_match": "spec.ngram_max_match",
+    "ngram_corpus": "spec.ngram_corpus",
+    "simulate_accept_length": "spec.simulate_accept_length",
 }
 
 
@@ -58,6 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int)
     p.add_argument("--max-context", type=int)
     p.add_argument("--output", metavar="FILE.jsonl")
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument("--spec", metavar="none|ngram|standalone", help="speculative algorithm (default none)")
+    sp.add_argument("--num-steps", type=int, help="draft steps per iteration (tree depth)")
+    sp.add_argument("--topk", type=int, help="branching per draft step (1 = chain)")
+    sp.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, root included")
+    sp.add_argument("--verify", choices=["greedy", "target-only", "rejection"])
+    sp.add_argument("--threshold-single", type=float, help="target-only verify; < 1 is NOT lossless")
+    sp.add_argument("--threshold-acc", type=float, help="target-only verify; < 1 is NOT lossless")
+    sp.add_argument("--draft-model", help="standalone draft: 'default', a HF dir or a .gguf (same tokenizer)")
+    sp.add_argument("--draft-layers", type=int, help="standalone draft = first N layers of the draft (or target)")
+    sp.add_argument("--ngram-min-match", type=int)
+    sp.add_argument("--ngram-max-match", type=int)
+    sp.add_argument("--ngram-corpus", metavar="FILE.jsonl", help="extra n-gram corpus (host-side index)")
+    sp.add_argument("--simulate-accept-length", type=int, metavar="L",
+                    help="benchmark only: force acceptance length L; output is NOT exact")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")
     return p
 
@@ -113,6 +141,26 @@ def stop_token_ids(model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def build_draft(cfg, model, dtype, progress):
+    """(params, config) of the standalone draft model, or None for drafters without one."""
+    from jaxspec.models.loading import load_model
+    from jaxspec.spec.algorithm import validate_spec_config
+    from jaxspec.spec.standalone import truncate_layers
+
+    # The CLI may set simulate_accept_length (benchmark mode); its output is labelled non-exact.
+    spec = validate_spec_config(cfg.spec, benchmark=True)
+    if spec.algorithm.lower() != "standalone":
+        return None
+    if spec.draft_model:
+        d = load_model(spec.draft_model, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
+        params, dcfg = d.params, d.config
+    else:
+        params, dcfg = model.params, model.config
+    if spec.draft_layers:
+        params, dcfg = truncate_layers(params, dcfg, spec.draft_layers)
+    return params, dcfg
+
+
 def run(args) -> int:
     import jax.numpy as jnp
 
@@ -133,7 +181,10 @@ def run(args) -> int:
     if args.prompt is not None and not args.raw and not getattr(model.tokenizer, "chat_template", None):
         entries = [{"prompt": args.prompt}]
     requests = build_requests(entries, model.tokenizer, cfg, stop_token_ids(model))
-    engine = Engine(model.params, model.config, cfg.engine, progress=progress)
+    spec_on = cfg.spec.algorithm.lower() != "none"
+    draft = build_draft(cfg, model, dtype, progress) if spec_on else None
+    engine = Engine(model.params, model.config, cfg.engine, progress=progress,
+                    spec=cfg.spec if spec_on else None, draft=draft)
     engine.compile(sorted({bucket for _, bucket in engine.plan(requests)}))
     t_ready = time.perf_counter()
     results = engine.generate(requests)
@@ -144,6 +195,10 @@ def run(args) -> int:
             text = model.tokenizer.decode(res.output_ids, skip_special_tokens=True) if model.tokenizer else ""
             line = {"prompt_ids": res.prompt_ids, "output_ids": res.output_ids, "text": text,
                     "finish_reason": res.finish_reason}
+            if res.accept_lengths is not None:
+                line["accept_lengths"] = res.accept_lengths
+                if cfg.spec.simulate_accept_length:
+                    line["exact"] = False
             if out_file:
                 out_file.write(json.dumps(line) + "\n")
             elif not args.quiet:
@@ -159,6 +214,12 @@ def run(args) -> int:
         f"prefill={t['prefill_s']:.2f}s decode={t['decode_s']:.2f}s decode_tok/s={decode_tps:.1f}",
         file=sys.stderr,
     )
+    if spec_on:
+        from jaxspec.spec.metrics import batch_metrics
+
+        _, total = batch_metrics([r.accept_lengths for r in results], cfg.spec.num_draft_tokens - 1)
+        label = f"spec[{cfg.spec.algorithm}]" + (" SIMULATED, output not exact" if cfg.spec.simulate_accept_length else "")
+        print(total.summary_line(label), file=sys.stderr)
     return 0
 
 
@@ -169,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.models.loading import LoadError
     from jaxspec.prompts import PromptError
     from jaxspec.cache.paged import OutOfPagesError
+    from jaxspec.spec.algorithm import SpecConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (ConfigValueError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError, OSError) as e:
+    except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

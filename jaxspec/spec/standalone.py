@@ -161,6 +161,19 @@ class StandaloneDrafter:
         return tokens, parents, None, DraftState(cache=cache, draft_len=state.draft_len)
 
 
+def truncate_layers(params: dict, cfg: ModelConfig, num_layers: int) -> tuple[dict, ModelConfig]:
+    """Self-speculative draft: the first `num_layers` layers plus the final norm and LM head.
+
+    The layer leaves are slices of the target's stacked arrays, so no training is needed.
+    """
+    if not 1 <= num_layers <= cfg.num_layers:
+        from jaxspec.spec.algorithm import SpecConfigError
+
+        raise SpecConfigError(f"draft_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+    layers = jax.tree.map(lambda x: x[:num_layers], params["layers"])
+    return {**params, "layers": layers}, dataclasses.replace(cfg, num_layers=num_layers)
+
+
 def _ancestor_mask(parents: jax.Array) -> jax.Array:
     """[B, T, T] ancestor-or-self among fed nodes; parents [B, T] (-1 = root, outside the block)."""
     b, t = parents.shape

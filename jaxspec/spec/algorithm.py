@@ -1,0 +1,311 @@
+"""Speculative algorithms: names, capabilities, plugin registry, config validation.
+
+The family follows SGLang's `SpeculativeAlgorithm`: NONE (plain decode), NGRAM,
+STANDALONE, EAGLE, EAGLE3, MEDUSA, DFLASH, DSPARK, with NEXTN accepted as an alias
+of EAGLE (MTP checkpoints are driven through the EAGLE path). Names are
+case-insensitive; the canonical spelling is the lowercase enum value, which is
+what `[spec] algorithm` holds after `validate_spec_config`.
+
+What an algorithm needs and supports is plain data (`AlgorithmInfo`), looked up
+with `algorithm_info(name)`, so the engine branches on capabilities
+(`info.needs_draft_kv_cache`) rather than on algorithm identity. Plugins add
+algorithms at runtime with `register(name, info, factory)`; they are not enum
+members, so code that must handle plugins goes through `canonical_name` /
+`algorithm_info` / `plugin_factory` instead of `SpecAlgorithm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable
+
+from jaxspec.config import SpecSection
+from jaxspec.spec.tree import check_draft_config
+
+
+class SpecConfigError(ValueError):
+    """An invalid speculative-decoding setting; the message names the field."""
+
+
+class SpecAlgorithm(enum.Enum):
+    NONE = "none"
+    NGRAM = "ngram"
+    STANDALONE = "standalone"
+    EAGLE = "eagle"
+    EAGLE3 = "eagle3"
+    MEDUSA = "medusa"
+    DFLASH = "dflash"
+    DSPARK = "dspark"
+
+    @classmethod
+    def from_name(cls, name: str | SpecAlgorithm) -> SpecAlgorithm:
+        """Built-in algorithm by name (case-insensitive, NEXTN -> EAGLE).
+
+        A registered plugin name is valid but not an enum member, so it raises
+        too; use `algorithm_info` / `plugin_factory` for plugins.
+        """
+        key = canonical_name(name)
+        if key in _PLUGINS:
+            raise SpecConfigError(
+                f"algorithm {key!r} is a registered plugin, not a built-in SpecAlgorithm; "
+                f"look it up with algorithm_info()/plugin_factory()")
+        return cls(key)
+
+    @property
+    def info(self) -> AlgorithmInfo:
+        return _BUILTIN_INFO[self]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmInfo:
+    """Capabilities of one algorithm. Defaults describe a generic drafter."""
+
+    needs_draft_model: bool = False  # loads extra draft weights
+    needs_draft_kv_cache: bool = False  # the drafter attends over its own paged KV
+    needs_target_hidden_states: bool = False  # the target forward must return features
+    supports_tree: bool = False  # can draft topk > 1 trees (else chains only)
+    # Lossless `verify_rejection` needs each draft token's proposal distribution,
+    # or drafts that are a deterministic function of the context (one-hot q).
+    supports_rejection_sampling: bool = False
+    is_deterministic_drafter: bool = False  # no draft probabilities: pass draft_probs=None
+    implemented: bool = True
+    speculative: bool = True  # False only for NONE: no draft, no verify
+    description: str = ""
+
+    @property
+    def uses_draft_probs(self) -> bool:
+        """Whether rejection verify gets real draft probabilities (vs one-hot)."""
+        return self.supports_rejection_sampling and not self.is_deterministic_drafter
+
+
+_BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
+    SpecAlgorithm.NONE: AlgorithmInfo(
+        speculative=False, description="plain autoregressive decode"),
+    SpecAlgorithm.NGRAM: AlgorithmInfo(
+        supports_tree=True, supports_rejection_sampling=True, is_deterministic_drafter=True,
+        description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
+    SpecAlgorithm.STANDALONE: AlgorithmInfo(
+        needs_draft_model=True, needs_draft_kv_cache=True, supports_tree=True,
+        supports_rejection_sampling=True,
+        description="a smaller LM (or the target's first layers) drafts token by token"),
+    SpecAlgorithm.EAGLE: AlgorithmInfo(
+        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
+        supports_tree=True, supports_rejection_sampling=True, implemented=False,
+        description="EAGLE/EAGLE-2 feature-level draft head (also MTP via NEXTN)"),
+    SpecAlgorithm.EAGLE3: AlgorithmInfo(
+        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
+        supports_tree=True, supports_rejection_sampling=True, implemented=False,
+        description="EAGLE-3 draft head on multi-layer target features"),
+    # Medusa heads are MLPs on the last hidden state: no attention, so no draft KV.
+    SpecAlgorithm.MEDUSA: AlgorithmInfo(
+        needs_draft_model=True, needs_target_hidden_states=True, supports_tree=True,
+        supports_rejection_sampling=True, implemented=False,
+        description="Medusa parallel decoding heads"),
+    # Block-diffusion drafters emit a whole chain per forward (linear block
+    # verify upstream); the tokens come out of denoising steps, so there is no
+    # proposal distribution they were drawn from for rejection sampling.
+    SpecAlgorithm.DFLASH: AlgorithmInfo(
+        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
+        implemented=False, description="DFlash block-diffusion drafter (chain only)"),
+    SpecAlgorithm.DSPARK: AlgorithmInfo(
+        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
+        implemented=False, description="DSpark block drafter (chain only)"),
+}
+
+ALIASES: dict[str, SpecAlgorithm] = {"nextn": SpecAlgorithm.EAGLE}
+VERIFY_MODES = ("greedy", "target-only", "rejection")
+
+# name -> (info, factory). Module-level on purpose: plugins register at import.
+_PLUGINS: dict[str, tuple[AlgorithmInfo, Callable[..., Any] | None]] = {}
+
+
+# --------------------------------------------------------------------------
+# Names and lookup
+# --------------------------------------------------------------------------
+
+
+def builtin_names() -> tuple[str, ...]:
+    return tuple(a.value for a in SpecAlgorithm)
+
+
+def valid_names() -> tuple[str, ...]:
+    """Every accepted name: built-ins, aliases, then plugins (lowercase)."""
+    return builtin_names() + tuple(ALIASES) + tuple(sorted(_PLUGINS))
+
+
+def _describe_valid() -> str:
+    parts = list(builtin_names())
+    parts += [f"{a} (alias of {t.value})" for a, t in ALIASES.items()]
+    parts += [f"{p} (plugin)" for p in sorted(_PLUGINS)]
+    return ", ".join(parts)
+
+
+def canonical_name(name: str | SpecAlgorithm) -> str:
+    """Lowercase canonical name of a built-in, alias or plugin; raise if unknown."""
+    if isinstance(name, SpecAlgorithm):
+        return name.value
+    if not isinstance(name, str):
+        raise SpecConfigError(f"algorithm name must be a string, got {name!r}")
+    key = name.strip().lower()
+    if key in ALIASES:
+        return ALIASES[key].value
+    if key in _PLUGINS or key in builtin_names():
+        return key
+    raise SpecConfigError(f"unknown speculative algorithm {name!r}; valid: {_describe_valid()}")
+
+
+def algorithm_info(name: str | SpecAlgorithm) -> AlgorithmInfo:
+    key = canonical_name(name)
+    if key in _PLUGINS:
+        return _PLUGINS[key][0]
+    return _BUILTIN_INFO[SpecAlgorithm(key)]
+
+
+def plugin_factory(name: str) -> Callable[..., Any] | None:
+    """The factory a plugin registered with (None for built-ins or no factory)."""
+    key = canonical_name(name)
+    return _PLUGINS[key][1] if key in _PLUGINS else None
+
+
+def implemented_names() -> tuple[str, ...]:
+    return tuple(n for n in builtin_names() + tuple(sorted(_PLUGINS))
+                 if algorithm_info(n).implemented)
+
+
+# --------------------------------------------------------------------------
+# Plugin registry
+# --------------------------------------------------------------------------
+
+
+def register(name: str, info: AlgorithmInfo, factory: Callable[..., Any] | None = None) -> str:
+    """Add a plugin algorithm; returns its canonical (lowercase) name.
+
+    Built-in names and aliases are reserved, and a plugin name registers once
+    (`unregister` first to replace it), so a name never silently changes meaning.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise SpecConfigError(f"plugin algorithm name must be a non-empty string, got {name!r}")
+    if not isinstance(info, AlgorithmInfo):
+        raise SpecConfigError(f"register({name!r}): info must be an AlgorithmInfo, got {info!r}")
+    if factory is not None and not callable(factory):
+        raise SpecConfigError(f"register({name!r}): factory must be callable, got {factory!r}")
+    key = name.strip().lower()
+    if key in builtin_names() or key in ALIASES:
+        raise SpecConfigError(f"algorithm name {key!r} is reserved for a built-in algorithm")
+    if key in _PLUGINS:
+        raise SpecConfigError(f"algorithm {key!r} is already registered as a plugin")
+    _PLUGINS[key] = (info, factory)
+    return key
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin (tests); unknown names are ignored, built-ins refused."""
+    key = name.strip().lower()
+    if key in builtin_names() or key in ALIASES:
+        raise SpecConfigError(f"cannot unregister built-in algorithm {key!r}")
+    _PLUGINS.pop(key, None)
+
+
+# --------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------
+
+
+def max_accept_length(num_steps: int, num_draft_tokens: int) -> int:
+    """Most tokens one verify can commit: the deepest path plus the bonus.
+
+    A tree of num_draft_tokens nodes (root included) drafted in num_steps
+    steps is at most min(num_steps, num_draft_tokens - 1) drafts deep.
+    """
+    return 1 + min(num_steps, num_draft_tokens - 1)
+
+
+def _field_checks(s: SpecSection) -> list[tuple[bool, str]]:
+    """Range checks that hold whatever the algorithm (typos are caught even
+    when the field is unused)."""
+    return [
+        (s.verify in VERIFY_MODES,
+         f"spec.verify must be one of {', '.join(VERIFY_MODES)}; got {s.verify!r}"),
+        (0 < s.threshold_single <= 1,
+         f"spec.threshold_single must be in (0, 1]; got {s.threshold_single}"),
+        (0 < s.threshold_acc <= 1,
+         f"spec.threshold_acc must be in (0, 1]; got {s.threshold_acc}"),
+        (s.num_steps >= 1, f"spec.num_steps must be >= 1; got {s.num_steps}"),
+        (s.topk >= 1, f"spec.topk must be >= 1; got {s.topk}"),
+        (s.num_draft_tokens >= 1, f"spec.num_draft_tokens must be >= 1; got {s.num_draft_tokens}"),
+        (s.ngram_min_match >= 1, f"spec.ngram_min_match must be >= 1; got {s.ngram_min_match}"),
+        (s.ngram_min_match <= s.ngram_max_match,
+         f"spec.ngram_min_match ({s.ngram_min_match}) must be <= spec.ngram_max_match "
+         f"({s.ngram_max_match})"),
+        (s.draft_layers >= 0, f"spec.draft_layers must be >= 0; got {s.draft_layers}"),
+        (s.simulate_accept_length >= 0,
+         f"spec.simulate_accept_length must be >= 0 (0 = off); got {s.simulate_accept_length}"),
+    ]
+
+
+def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
+                    benchmark: bool) -> list[tuple[bool, str]]:
+    """Cross-field checks for a speculative algorithm, in reporting order."""
+    checks: list[tuple[bool, str]] = [
+        (s.num_draft_tokens >= 2,
+         f"spec.num_draft_tokens must be >= 2 for algorithm {name!r} (the root plus at least "
+         f"one draft token); got {s.num_draft_tokens}"),
+        (s.topk == 1 or info.supports_tree,
+         f"spec.topk={s.topk} needs a tree drafter, but algorithm {name!r} drafts chains "
+         f"only; use spec.topk=1"),
+        (s.verify != "rejection" or info.supports_rejection_sampling,
+         f"spec.verify='rejection' needs draft probabilities or a deterministic drafter, "
+         f"which algorithm {name!r} does not provide; use greedy or target-only"),
+        (not info.needs_draft_model or bool(s.draft_model) or s.draft_layers > 0,
+         f"algorithm {name!r} needs a draft model: set spec.draft_model, or spec.draft_layers "
+         f"> 0 to draft with the target's first layers"),
+    ]
+    if s.simulate_accept_length > 0:
+        most = max_accept_length(s.num_steps, s.num_draft_tokens)
+        checks += [
+            (benchmark,
+             f"spec.simulate_accept_length={s.simulate_accept_length} is a benchmark-only "
+             f"mode (it commits tokens the target did not choose); set it to 0"),
+            (s.simulate_accept_length <= most,
+             f"spec.simulate_accept_length={s.simulate_accept_length} exceeds the most one "
+             f"verify can commit, 1 + min(num_steps, num_draft_tokens - 1) = {most}"),
+        ]
+    return checks
+
+
+def validate_spec_config(spec: SpecSection, *, benchmark: bool = False) -> SpecSection:
+    """Check [spec] up front; return it with `algorithm` canonicalised.
+
+    Raises SpecConfigError naming the field at the first problem. With
+    algorithm "none" only field ranges are checked (the drafter fields are
+    unused), except that simulate_accept_length needs a drafter. benchmark=True
+    is the bench harness: it alone may set simulate_accept_length > 0.
+    """
+    try:
+        name = canonical_name(spec.algorithm)
+    except SpecConfigError as e:
+        raise SpecConfigError(f"spec.algorithm: {e}") from None
+    info = algorithm_info(name)
+    if not info.implemented:
+        raise SpecConfigError(
+            f"spec.algorithm={name!r} is not implemented yet; implemented: "
+            f"{', '.join(implemented_names())}")
+    checks = _field_checks(spec)
+    if info.speculative:
+        for ok, msg in checks:
+            if not ok:
+                raise SpecConfigError(msg)
+        try:
+            check_draft_config(spec.num_steps, spec.topk, spec.num_draft_tokens)
+        except ValueError as e:
+            raise SpecConfigError(f"spec.num_draft_tokens: {e}") from None
+        checks = _drafter_checks(spec, name, info, benchmark)
+    else:
+        checks.append((spec.simulate_accept_length == 0,
+                       "spec.simulate_accept_length > 0 needs a speculative algorithm "
+                       "(spec.algorithm is 'none')"))
+    for ok, msg in checks:
+        if not ok:
+            raise SpecConfigError(msg)
+    return dataclasses.replace(spec, algorithm=name)

@@ -1,0 +1,231 @@
+"""Algorithm names, capabilities, plugin registry and [spec] validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxspec.config import SpecSection, load_config
+from jaxspec.spec import algorithm as A
+from jaxspec.spec.algorithm import AlgorithmInfo, SpecAlgorithm, SpecConfigError
+from jaxspec.spec.tree import max_draft_tokens
+
+
+@pytest.fixture
+def plugin():
+    """Register plugins for one test and always remove them afterwards."""
+    names = []
+
+    def add(name, info=AlgorithmInfo(), factory=None):
+        names.append(A.register(name, info, factory))
+        return names[-1]
+
+    yield add
+    for n in names:
+        A.unregister(n)
+
+
+# ---------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("none", SpecAlgorithm.NONE), ("NGRAM", SpecAlgorithm.NGRAM),
+    ("Standalone", SpecAlgorithm.STANDALONE), ("eagle", SpecAlgorithm.EAGLE),
+    ("EAGLE3", SpecAlgorithm.EAGLE3), ("medusa", SpecAlgorithm.MEDUSA),
+    ("DFlash", SpecAlgorithm.DFLASH), ("dspark", SpecAlgorithm.DSPARK),
+    ("NEXTN", SpecAlgorithm.EAGLE), ("nextn", SpecAlgorithm.EAGLE), (" eagle ", SpecAlgorithm.EAGLE),
+    (SpecAlgorithm.NGRAM, SpecAlgorithm.NGRAM),
+])
+def test_from_name_case_and_alias(name, expected):
+    assert SpecAlgorithm.from_name(name) is expected
+    assert A.canonical_name(name) == expected.value
+
+
+def test_unknown_name_lists_valid_names(plugin):
+    plugin("MyDraft")
+    with pytest.raises(SpecConfigError) as e:
+        SpecAlgorithm.from_name("eagle2")
+    msg = str(e.value)
+    assert "'eagle2'" in msg
+    for n in A.builtin_names():
+        assert n in msg
+    assert "nextn (alias of eagle)" in msg and "mydraft (plugin)" in msg
+    assert isinstance(e.value, ValueError)
+
+
+def test_non_string_name():
+    with pytest.raises(SpecConfigError, match="must be a string"):
+        A.canonical_name(3)
+
+
+# ---------------------------------------------------------------- capabilities
+
+CAPS = ("needs_draft_model", "needs_draft_kv_cache", "needs_target_hidden_states",
+        "supports_tree", "supports_rejection_sampling", "is_deterministic_drafter",
+        "implemented", "speculative")
+EXPECTED = {
+    #              model  kv     hidden tree   rej    det    impl   spec
+    "none":       (False, False, False, False, False, False, True, False),
+    "ngram":      (False, False, False, True, True, True, True, True),
+    "standalone": (True, True, False, True, True, False, True, True),
+    "eagle":      (True, True, True, True, True, False, False, True),
+    "eagle3":     (True, True, True, True, True, False, False, True),
+    "medusa":     (True, False, True, True, True, False, False, True),
+    "dflash":     (True, True, True, False, False, False, False, True),
+    "dspark":     (True, True, True, False, False, False, False, True),
+}
+
+
+def test_capabilities_of_every_builtin():
+    assert set(EXPECTED) == set(A.builtin_names())
+    for name, caps in EXPECTED.items():
+        info = A.algorithm_info(name)
+        assert info is SpecAlgorithm(name).info
+        assert tuple(getattr(info, c) for c in CAPS) == caps, name
+    assert A.algorithm_info("nextn") == A.algorithm_info(SpecAlgorithm.EAGLE)
+    assert A.implemented_names() == ("none", "ngram", "standalone")
+    assert A.algorithm_info("standalone").uses_draft_probs
+    assert not A.algorithm_info("ngram").uses_draft_probs  # one-hot q: draft_probs=None
+
+
+def test_info_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        A.algorithm_info("ngram").supports_tree = False
+
+
+# ---------------------------------------------------------------- plugins
+
+
+def test_register_plugin(plugin):
+    factory = lambda cfg: "drafter"  # noqa: E731
+    info = AlgorithmInfo(supports_tree=True, description="mine")
+    assert plugin("MyDraft", info, factory) == "mydraft"
+    assert A.algorithm_info("MYDRAFT") is info
+    assert A.plugin_factory("mydraft") is factory
+    assert A.plugin_factory("eagle") is None
+    assert "mydraft" in A.valid_names() and "mydraft" in A.implemented_names()
+    with pytest.raises(SpecConfigError, match="registered plugin"):
+        SpecAlgorithm.from_name("mydraft")
+    A.unregister("mydraft")
+    with pytest.raises(SpecConfigError, match="unknown"):
+        A.algorithm_info("mydraft")
+
+
+@pytest.mark.parametrize("name", ["eagle", "NGRAM", "none", "NextN", "dspark"])
+def test_builtin_names_are_reserved(name):
+    with pytest.raises(SpecConfigError, match="reserved"):
+        A.register(name, AlgorithmInfo())
+    with pytest.raises(SpecConfigError, match="built-in"):
+        A.unregister(name)
+
+
+def test_duplicate_plugin(plugin):
+    plugin("dup")
+    with pytest.raises(SpecConfigError, match="already registered"):
+        A.register("DUP", AlgorithmInfo())
+
+
+@pytest.mark.parametrize("args, message", [
+    (("", AlgorithmInfo()), "non-empty"),
+    (("x", {"supports_tree": True}), "AlgorithmInfo"),
+    (("x", AlgorithmInfo(), 3), "callable"),
+])
+def test_register_bad_arguments(args, message):
+    with pytest.raises(SpecConfigError, match=message):
+        A.register(*args)
+    assert "x" not in A.valid_names()
+
+
+# ---------------------------------------------------------------- validation
+
+GOOD = dict(algorithm="ngram", num_steps=3, topk=1, num_draft_tokens=4)
+
+
+def spec(**kw) -> SpecSection:
+    return SpecSection(**{**GOOD, **kw})
+
+
+def test_valid_configs_pass_and_canonicalise():
+    assert A.validate_spec_config(SpecSection()) == SpecSection()  # defaults: none
+    assert A.validate_spec_config(spec(algorithm="NGRAM")).algorithm == "ngram"
+    out = A.validate_spec_config(spec(algorithm="Standalone", draft_model="m", topk=2,
+                                      num_draft_tokens=max_draft_tokens(3, 2), verify="rejection"))
+    assert out.algorithm == "standalone"
+    assert A.validate_spec_config(spec(algorithm="standalone", draft_layers=2)).draft_layers == 2
+    assert A.validate_spec_config(spec(simulate_accept_length=4), benchmark=True)
+    # "none" ignores the drafter fields: a leftover tree config does not fail.
+    assert A.validate_spec_config(spec(algorithm="none", topk=8, num_draft_tokens=1000))
+    # The loaded default config validates.
+    assert A.validate_spec_config(load_config(None).spec).algorithm == "none"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(algorithm="eagle2"), r"spec.algorithm: unknown speculative algorithm 'eagle2'; valid: none, ngram"),
+    (dict(algorithm="eagle"), r"spec.algorithm='eagle' is not implemented yet; implemented: none, ngram, standalone"),
+    (dict(algorithm="NextN"), r"spec.algorithm='eagle' is not implemented yet"),
+    (dict(algorithm="eagle3"), "'eagle3' is not implemented yet"),
+    (dict(algorithm="medusa"), "'medusa' is not implemented yet"),
+    (dict(algorithm="dflash"), "'dflash' is not implemented yet"),
+    (dict(algorithm="dspark"), "'dspark' is not implemented yet"),
+    (dict(verify="typical"), r"spec.verify must be one of greedy, target-only, rejection; got 'typical'"),
+    (dict(verify="target_only"), "spec.verify must be one of"),
+    (dict(threshold_single=0.0), r"spec.threshold_single must be in \(0, 1\]; got 0.0"),
+    (dict(threshold_single=1.5), r"spec.threshold_single must be in \(0, 1\]"),
+    (dict(threshold_acc=-0.1), r"spec.threshold_acc must be in \(0, 1\]; got -0.1"),
+    (dict(num_steps=0), "spec.num_steps must be >= 1; got 0"),
+    (dict(topk=0), "spec.topk must be >= 1; got 0"),
+    (dict(num_draft_tokens=0), "spec.num_draft_tokens must be >= 1; got 0"),
+    (dict(num_draft_tokens=1), "spec.num_draft_tokens must be >= 2 for algorithm 'ngram'"),
+    (dict(num_draft_tokens=5), r"spec.num_draft_tokens: num_draft_tokens=5 exceeds .* = 4"),
+    (dict(topk=2, num_steps=2, num_draft_tokens=8), r"1 \+ topk \+ \(num_steps-1\)\*topk\^2 = 7"),
+    (dict(ngram_min_match=0), "spec.ngram_min_match must be >= 1; got 0"),
+    (dict(ngram_min_match=5, ngram_max_match=4),
+     r"spec.ngram_min_match \(5\) must be <= spec.ngram_max_match \(4\)"),
+    (dict(draft_layers=-1), "spec.draft_layers must be >= 0; got -1"),
+    (dict(simulate_accept_length=-1), r"spec.simulate_accept_length must be >= 0 \(0 = off\)"),
+    (dict(simulate_accept_length=2), "spec.simulate_accept_length=2 is a benchmark-only mode"),
+    (dict(algorithm="standalone"), "algorithm 'standalone' needs a draft model: set spec.draft_model"),
+    (dict(algorithm="none", simulate_accept_length=1),
+     "spec.simulate_accept_length > 0 needs a speculative algorithm"),
+    # "none" still checks field ranges, so typos surface.
+    (dict(algorithm="none", verify="greedyy"), "spec.verify must be one of"),
+])
+def test_validate_errors(kw, message):
+    with pytest.raises(SpecConfigError, match=message):
+        A.validate_spec_config(spec(**kw))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(simulate_accept_length=5), r"simulate_accept_length=5 exceeds .* = 4"),
+    # A tree is at most num_steps deep, however many nodes it has.
+    (dict(topk=2, num_steps=2, num_draft_tokens=7, simulate_accept_length=4),
+     r"1 \+ min\(num_steps, num_draft_tokens - 1\) = 3"),
+])
+def test_simulate_accept_length_bound(kw, message):
+    with pytest.raises(SpecConfigError, match=message):
+        A.validate_spec_config(spec(**kw), benchmark=True)
+
+
+def test_capability_errors_via_plugins(plugin):
+    plugin("chain", AlgorithmInfo(supports_tree=False, supports_rejection_sampling=False))
+    with pytest.raises(SpecConfigError, match=r"spec.topk=2 needs a tree drafter, but algorithm "
+                                              r"'chain' drafts chains only; use spec.topk=1"):
+        A.validate_spec_config(spec(algorithm="chain", topk=2))
+    with pytest.raises(SpecConfigError, match=r"spec.verify='rejection' needs draft probabilities "
+                                              r"or a deterministic drafter.*'chain'"):
+        A.validate_spec_config(spec(algorithm="chain", verify="rejection"))
+    assert A.validate_spec_config(spec(algorithm="CHAIN", verify="target-only")).algorithm == "chain"
+
+    plugin("later", AlgorithmInfo(implemented=False))
+    with pytest.raises(SpecConfigError, match="'later' is not implemented yet"):
+        A.validate_spec_config(spec(algorithm="later"))
+    plugin("heads", AlgorithmInfo(needs_draft_model=True))
+    with pytest.raises(SpecConfigError, match="'heads' needs a draft model"):
+        A.validate_spec_config(spec(algorithm="heads"))
+
+
+def test_max_accept_length():
+    assert A.max_accept_length(3, 4) == 4  # chain: every draft + bonus
+    assert A.max_accept_length(2, 7) == 3  # tree: depth-limited
+    assert A.max_accept_length(5, 2) == 2  # node-limited
