@@ -201,6 +201,7 @@ class Engine:
         self.cache = KVCache.zeros(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.spec_plan = None
+        self.drafter = None
         self.draft_params = None
         self.draft_cache = None
         if spec is not None and spec.algorithm.lower() != "none":
@@ -218,6 +219,10 @@ class Engine:
         from jaxspec.spec.algorithm import validate_spec_config
 
         plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=True))
+        if spec.ngram_corpus:
+            # NgramCorpus (host-side index) exists, but the whole generation is one
+            # device call here, so there is no host step to merge its drafts into.
+            raise RequestError("spec.ngram_corpus is not wired into the on-device loop yet")
         drafter = None
         if plan.algorithm == "standalone":
             if draft is None:
@@ -236,6 +241,7 @@ class Engine:
                 self.draft_params["embed"].dtype,
             )
         self.spec_plan = plan
+        self.drafter = drafter
         self._prefill = jax.jit(make_spec_prefill_fn(self.cfg, drafter), donate_argnums=(2, 3), static_argnums=(8,))
         self._decode = jax.jit(make_spec_decode_fn(plan, self.cfg, drafter), donate_argnums=(2,))
 

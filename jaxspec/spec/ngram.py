@@ -1,0 +1,474 @@
+"""N-gram (prompt-lookup) drafting: an on-device proposer plus a host corpus.
+
+The draft tree follows the convention of `jaxspec.spec.tree` (N nodes, node 0 =
+root = last committed token, parents[i] < i, token < 0 = padding with parent 0,
+sibling order = index order, higher priority first).
+
+ON-DEVICE PROPOSAL (`ngram_propose`). Peers copy the history to the host every
+step and search it there; here the search is a handful of shifted equality
+passes over the history buffer [B, C] that stays on device, so the drafter
+adds no host round trip and fuses into the engine step.
+
+THE MATCHING RULE. Per sequence, h = history[b, :L] with L = hist_len[b]
+(entries at or past L are never read as tokens), root = h[L-1], D = N - 1.
+
+  * A continuation start q (1 <= q <= L-1) matches with length
+    ml(q) = the largest n <= max_match with h[q-n : q] == h[L-n : L]
+    (so the occurrence starts at p = q - n >= 0, lies strictly before the
+    suffix and has at least the following token h[q]). Matching n implies
+    matching every shorter n at the same q, so "n from max_match down to
+    min_match" is the same as ranking by ml(q). q is a candidate iff
+    ml(q) >= min_match.
+  * Its continuation is h[q : min(L, q + D)], of length
+    len(q) = min(L - q, D) >= 1 (it may overlap the suffix; it never reads past L).
+  * Branches are picked greedily, up to topk of them. At each pick, a
+    candidate is eligible only if its continuation is not a prefix of (or equal
+    to) an already picked branch, i.e. it adds at least one new trie node.
+    The eligible candidate with the largest key wins:
+        (first token differs from every picked branch's first token,
+         ml(q), len(q), q)
+    i.e. distinct next tokens first, then the longest n-gram (falling back to
+    shorter n only for new branches), then the longest continuation (clipped
+    to D), then the most recent occurrence. For topk == 1 this is: longest
+    matching n; among its occurrences the most recent one whose continuation
+    covers the whole chain, or failing that the one with the longest
+    continuation.
+  * The picked branches are merged into a trie (shared prefixes become one
+    node, credited to the first branch that reaches it) and nodes are laid out
+    depth by depth, within a depth by that branch's pick order, truncated to
+    the N - 1 draft slots. That order is ancestor-closed, so parents precede
+    children, and padding (-1, parent 0) follows the real nodes. With topk == 1
+    the result is a chain: parents[i] = i - 1.
+
+Note the longest n wins even when its continuation is short: for h = 7 7 7 7
+the 3-gram match at q = 3 proposes one token, not the 1-gram's three.
+
+HOST CORPUS (`NgramCorpus`). Continuations from an external JSONL corpus
+(`--ngram-corpus FILE`) and from other requests' outputs (`add`), looked up on
+the host with the same rule (longest suffix n-gram, then longest clipped
+continuation, then most recent). `lookup_batch` returns extra [B, K_extra]
+int32 (-1 padded) for the current contexts and the jitted `merge_extra` puts
+it into the device proposal. Cost: the lookup needs the contexts after the
+previous step's commits and its result must reach the device before the next
+draft, so using the corpus adds ONE host round trip per device call (engine
+step, which commits several tokens), not per token, and it stops the host
+from running steps ahead asynchronously. Without a corpus nothing leaves the
+device.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+_INT32_MAX = 2**31 - 1
+
+
+def check_ngram_config(num_draft_tokens: int, topk: int, min_match: int,
+                       max_match: int) -> None:
+    """Raise ValueError for an n-gram config the proposer cannot run."""
+    if num_draft_tokens < 1 or topk < 1:
+        raise ValueError(f"ngram: need num_draft_tokens >= 1 and topk >= 1, got "
+                         f"num_draft_tokens={num_draft_tokens}, topk={topk}")
+    if not 1 <= min_match <= max_match:
+        raise ValueError(f"ngram: need 1 <= min_match <= max_match, got "
+                         f"min_match={min_match}, max_match={max_match}")
+
+
+# --------------------------------------------------------------------------
+# On-device proposal
+# --------------------------------------------------------------------------
+
+
+def _shift_right(x: Int[Array, "B C"], k: int) -> Int[Array, "B C"]:
+    """out[:, q] = x[:, q - k]; the first k columns are filler (callers mask them)."""
+    return jnp.pad(x, ((0, 0), (k, 0)))[:, : x.shape[1]]
+
+
+def _shift_left(x: Int[Array, "B C"], d: int) -> Int[Array, "B C"]:
+    """out[:, q] = x[:, q + d]; the last d columns are filler (callers mask them)."""
+    return jnp.pad(x, ((0, 0), (0, d)))[:, d:]
+
+
+def match_lengths(
+    history: Int[Array, "B C"],
+    hist_len: Int[Array, "B"],  # clipped to [1, C]
+    max_match: int,
+) -> Int[Array, "B C"]:
+    """ml[b, q] = largest n <= max_match with h[q-n:q] == h[L-n:L], for
+    1 <= q < L; 0 elsewhere (see the module docstring)."""
+    _, c = history.shape
+    q = jnp.arange(c, dtype=jnp.int32)[None, :]
+    # A run of matches from k = 1 upward: position q keeps counting while the
+    # token k back from q equals the token k back from the end.
+    run = (q >= 1) & (q < hist_len[:, None])
+    ml = jnp.zeros(history.shape, jnp.int32)
+    for k in range(1, max_match + 1):
+        # L - k < 0 only when every q < L is also < k, so clamping is safe.
+        suffix_tok = jnp.take_along_axis(history, jnp.maximum(hist_len - k, 0)[:, None], axis=1)
+        run = run & (q >= k) & (_shift_right(history, k) == suffix_tok)
+        ml = ml + run.astype(jnp.int32)
+    return ml
+
+
+def _gather_rows(
+    history: Int[Array, "B C"],
+    idx: Int[Array, "B K D"],  # any in-range column indices
+) -> Int[Array, "B K D"]:
+    b, k, d = idx.shape
+    return jnp.take_along_axis(history, idx.reshape(b, k * d), axis=1).reshape(b, k, d)
+
+
+def _pick_branches(
+    history: Int[Array, "B C"],
+    ml: Int[Array, "B C"],
+    cont_len: Int[Array, "B C"],  # min(L - q, D), 0 outside 1 <= q < L
+    *,
+    topk: int,
+    min_match: int,
+    max_match: int,
+    depth: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Greedy branch choice of the module docstring.
+
+    Returns (starts [B, K] int32, lengths [B, K] int32); length 0 = no branch.
+    """
+    b, c = history.shape
+    qpos = jnp.arange(c, dtype=jnp.int32)[None, :]
+    dpos = jnp.arange(depth, dtype=jnp.int32)
+    # One int32 key per candidate encodes (new_first, ml, len, q)
+    # lexicographically, so each pick is a single argmax over C.
+    stride = (max_match + 1) * (depth + 1) * c
+    if 3 * stride > _INT32_MAX:
+        raise ValueError(f"ngram: history length {c} x max_match {max_match} x "
+                         f"num_draft_tokens {depth + 1} overflows the int32 rank key")
+    base = (ml * (depth + 1) + cont_len) * c + qpos
+    eligible = ml >= min_match
+    first_new = jnp.ones((b, c), bool)
+    # The novelty test compares every candidate's continuation with a picked
+    # branch: shifted views of h, one per depth (chains never need them).
+    # A running AND over views fuses into one pass; a stacked [B, C, D]
+    # window array would be written and re-read once per pick.
+    views = [_shift_left(history, d) for d in range(depth)] if topk > 1 else []
+    starts, lengths = [], []
+    for s in range(topk):
+        key = jnp.where(eligible, jnp.where(first_new, 2, 1) * stride + base, -1)
+        best = jnp.argmax(key, axis=1).astype(jnp.int32)
+        ok = jnp.max(key, axis=1) >= 0
+        start = jnp.where(ok, best, 0)
+        length = jnp.where(ok, jnp.take_along_axis(cont_len, start[:, None], axis=1)[:, 0], 0)
+        starts.append(start)
+        lengths.append(length)
+        if s + 1 == topk:
+            break
+        br = _gather_rows(history, jnp.minimum(start[:, None, None] + dpos, c - 1))[:, 0]
+        # A candidate whose (clipped) continuation is a prefix of this branch
+        # would add no trie node; the picked one is a prefix of itself.
+        dup = (cont_len <= length[:, None]) & ok[:, None]
+        for d in range(depth):
+            dup = dup & ((views[d] == br[:, d : d + 1]) | (cont_len <= d))
+        eligible = eligible & ~dup
+        first_new = first_new & ~((history == br[:, :1]) & ok[:, None])
+    return jnp.stack(starts, axis=1), jnp.stack(lengths, axis=1)
+
+
+def _branches_to_tree(
+    root: Int[Array, "B"],
+    btok: Int[Array, "B K D"],
+    blen: Int[Array, "B K"],
+    num_draft_tokens: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Merge K branches into a trie laid out depth-major, branch order within
+    a depth; returns (tokens [B, N], parents [B, N]) in the tree convention."""
+    b, k, d = btok.shape
+    n = num_draft_tokens
+    kid = jnp.arange(k, dtype=jnp.int32)
+    dpos = jnp.arange(d, dtype=jnp.int32)
+
+    # 1. Shared prefixes: same[b, i, j, t] iff branches i and j agree on
+    #    depths 0..t; the node (i, t) belongs to the first such real branch.
+    real = dpos[None, None, :] < blen[:, :, None]  # [B, K, D]
+    eq = btok[:, :, None, :] == btok[:, None, :, :]  # [B, K, K, D]
+    same = jnp.cumprod(eq.astype(jnp.int32), axis=-1).astype(bool) & real[:, None, :, :]
+    owner = jnp.min(jnp.where(same, kid[None, None, :, None], k), axis=2)  # [B, K, D]
+    unique = real & (owner == kid[None, :, None])
+
+    # 2. Output slots: a cumulative count in depth-major order; that order is
+    #    ancestor-closed, so truncating at N keeps every kept node's parent.
+    uniq_dm = jnp.swapaxes(unique, 1, 2).reshape(b, d * k)
+    slot_dm = jnp.where(uniq_dm, jnp.cumsum(uniq_dm, axis=1, dtype=jnp.int32), n)
+    slot = jnp.swapaxes(slot_dm.reshape(b, d, k), 1, 2)  # [B, K, D]; n = dropped
+
+    # 3. Parent slot = slot of the owner of the same branch one level up.
+    node_slot = jnp.take_along_axis(slot, jnp.minimum(owner, k - 1), axis=1)  # [B, K, D]
+    parent = jnp.concatenate([jnp.zeros((b, k, 1), jnp.int32), node_slot[:, :, :-1]], axis=2)
+
+    # 4. Scatter; non-unique and over-budget nodes land on slot n and drop.
+    bidx = jnp.arange(b)[:, None]
+    flat_slot = slot.reshape(b, k * d)
+    tokens = jnp.full((b, n), -1, jnp.int32).at[:, 0].set(root)
+    tokens = tokens.at[bidx, flat_slot].set(btok.reshape(b, k * d), mode="drop")
+    parents = jnp.zeros((b, n), jnp.int32).at[:, 0].set(-1)
+    parents = parents.at[bidx, flat_slot].set(parent.reshape(b, k * d), mode="drop")
+    return tokens, parents
+
+
+@functools.partial(jax.jit, static_argnames=("num_draft_tokens", "topk", "min_match",
+                                             "max_match"))
+def ngram_propose(
+    history: Int[Array, "B C"],  # prompt + committed output; garbage at >= hist_len
+    hist_len: Int[Array, "B"],  # >= 1; history[b, hist_len[b] - 1] is the root
+    *,
+    num_draft_tokens: int,
+    topk: int,
+    min_match: int,
+    max_match: int,
+) -> tuple[Int[Array, "B N"], Int[Array, "B N"]]:
+    """Draft tree from the sequence's own history (rule: module docstring).
+
+    Returns (tokens [B, N] int32, parents [B, N] int32), N = num_draft_tokens,
+    in the tree convention; a chain (parents i - 1) when topk == 1. hist_len is
+    clipped to [1, C].
+    """
+    check_ngram_config(num_draft_tokens, topk, min_match, max_match)
+    b, c = history.shape
+    depth = num_draft_tokens - 1
+    history = history.astype(jnp.int32)
+    hist_len = jnp.clip(hist_len.astype(jnp.int32), 1, c)
+    root = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)[:, 0]
+    if depth == 0:
+        return root[:, None], jnp.full((b, 1), -1, jnp.int32)
+
+    # 1. Match length at every continuation start, and continuation length.
+    ml = match_lengths(history, hist_len, min(max_match, c))
+    qpos = jnp.arange(c, dtype=jnp.int32)[None, :]
+    in_range = (qpos >= 1) & (qpos < hist_len[:, None])
+    cont_len = jnp.where(in_range, jnp.minimum(hist_len[:, None] - qpos, depth), 0)
+
+    # 2. Pick up to topk branches.
+    starts, lengths = _pick_branches(history, ml, cont_len, topk=topk, min_match=min_match,
+                                     max_match=max_match, depth=depth)
+
+    # 3. Branch tokens; positions past a branch's length are masked in the trie.
+    dpos = jnp.arange(depth, dtype=jnp.int32)
+    idx = jnp.minimum(starts[:, :, None] + dpos, c - 1)
+    btok = _gather_rows(history, idx)
+
+    # 4. Trie, BFS layout.
+    return _branches_to_tree(root, btok, lengths, num_draft_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("chain",))
+def merge_extra(
+    tokens: Int[Array, "B N"],  # a proposal in the tree convention
+    parents: Int[Array, "B N"],  # [B, N]; ignored beyond padding detection if chain
+    extra: Int[Array, "B E"],  # candidate continuation of the root, -1 padded
+    *,
+    chain: bool = False,
+) -> tuple[Int[Array, "B N"], Int[Array, "B N"]]:
+    """Add a host-side continuation (e.g. `NgramCorpus.lookup_batch`) to a
+    proposal, using only its padding slots.
+
+    extra[b] is read up to its first negative entry. It is walked down the
+    existing tree while it matches children of the current node; the rest is
+    appended as a chain below the last matched node, in the first padding
+    slots (so the proposal's own nodes always win, and a fully present
+    continuation adds nothing). chain=True keeps a chain a chain: it is only
+    extended when the whole existing chain is a prefix of extra (including
+    the empty chain). Padding must follow the real nodes, as `ngram_propose`
+    and `organize_draft_tree` produce. Returns (tokens [B, N], parents [B, N])
+    in the tree convention.
+    """
+    b, n = tokens.shape
+    e = extra.shape[1]
+    tokens = tokens.astype(jnp.int32)
+    parents = parents.astype(jnp.int32)
+    extra = extra.astype(jnp.int32)
+    idx = jnp.arange(n, dtype=jnp.int32)
+    real = (tokens >= 0) | (idx == 0)
+    if chain:
+        # Chain convention: everything after the first padding is padding.
+        real = jnp.cumprod(real.astype(jnp.int32), axis=1).astype(bool)
+        parents = jnp.where(idx >= 1, idx - 1, -1)[None, :].repeat(b, axis=0)
+    num_real = real.sum(axis=1, dtype=jnp.int32)
+    ext_ok = jnp.cumprod((extra >= 0).astype(jnp.int32), axis=1).astype(bool)
+    ext_len = ext_ok.sum(axis=1, dtype=jnp.int32)
+
+    # 1. Walk extra down the tree (E is static and small).
+    cur = jnp.zeros((b,), jnp.int32)
+    matched = jnp.zeros((b,), jnp.int32)
+    walking = jnp.ones((b,), bool)
+    for d in range(e):
+        child = ((parents == cur[:, None]) & (tokens == extra[:, d : d + 1]) & real
+                 & (idx >= 1))
+        step = walking & ext_ok[:, d] & jnp.any(child, axis=1)
+        cur = jnp.where(step, jnp.argmax(child, axis=1).astype(jnp.int32), cur)
+        matched = matched + step.astype(jnp.int32)
+        walking = step
+
+    # 2. Append extra[matched:] as a chain under cur, into slots num_real, ...
+    j = jnp.arange(e, dtype=jnp.int32)[None, :]
+    new = (j >= matched[:, None]) & (j < ext_len[:, None])
+    if chain:
+        new = new & (cur == num_real - 1)[:, None]
+    slot = jnp.where(new, num_real[:, None] + j - matched[:, None], n)
+    par = jnp.where(j == matched[:, None], cur[:, None], slot - 1)
+    bidx = jnp.arange(b)[:, None]
+    tokens = tokens.at[bidx, slot].set(extra, mode="drop")
+    parents = parents.at[bidx, slot].set(par, mode="drop")
+    if chain:
+        real_after = jnp.cumprod(((tokens >= 0) | (idx == 0)).astype(jnp.int32),
+                                 axis=1).astype(bool)
+        tokens = jnp.where(real_after, tokens, -1)
+        parents = jnp.where(real_after, parents, 0).at[:, 0].set(-1)
+    return tokens, parents
+
+
+# --------------------------------------------------------------------------
+# Host corpus
+# --------------------------------------------------------------------------
+
+
+class NgramCorpus:
+    """Bounded n-gram index over token sequences, queried on the host.
+
+    Documents (a corpus line, or one finished request's tokens) are kept in
+    insertion order; an index maps every n-gram (min_match <= n <= max_match)
+    to its most recent occurrences, as (document, continuation start). At most
+    `max_tokens` tokens are stored: adding more evicts the oldest documents
+    (and their index entries), and each n-gram keeps only its
+    `max_occurrences` most recent occurrences. Memory is roughly
+    (max_match - min_match + 1) * max_tokens index entries, a few hundred
+    bytes each in CPython, hence the modest default.
+    """
+
+    def __init__(self, *, min_match: int = 1, max_match: int = 4, max_tokens: int = 1 << 18,
+                 max_occurrences: int = 8):
+        check_ngram_config(1, 1, min_match, max_match)
+        if max_tokens < 2 or max_occurrences < 1:
+            raise ValueError("NgramCorpus: need max_tokens >= 2 and max_occurrences >= 1")
+        self.min_match, self.max_match = min_match, max_match
+        self.max_tokens, self.max_occurrences = max_tokens, max_occurrences
+        self._docs: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
+        self._index: dict[tuple[int, ...], collections.deque[tuple[int, int]]] = {}
+        self._next_id = 0
+        self.num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def _ngrams(self, doc: tuple[int, ...]) -> Iterable[tuple[tuple[int, ...], int]]:
+        for q in range(1, len(doc)):
+            for n in range(self.min_match, min(self.max_match, q) + 1):
+                yield doc[q - n : q], q
+
+    def add(self, token_ids: Iterable[int]) -> None:
+        """Index one token sequence (e.g. a finished request's prompt + output)."""
+        doc = tuple(int(t) for t in token_ids)[-self.max_tokens :]
+        if len(doc) < 2:  # nothing follows any n-gram
+            return
+        while self._docs and self.num_tokens + len(doc) > self.max_tokens:
+            self._evict_oldest()
+        doc_id = self._next_id
+        self._next_id += 1
+        self._docs[doc_id] = doc
+        self.num_tokens += len(doc)
+        for key, q in self._ngrams(doc):
+            occ = self._index.get(key)
+            if occ is None:
+                occ = self._index[key] = collections.deque(maxlen=self.max_occurrences)
+            occ.append((doc_id, q))
+
+    def _evict_oldest(self) -> None:
+        doc_id, doc = self._docs.popitem(last=False)
+        self.num_tokens -= len(doc)
+        # Occurrences are appended in document order and this is the oldest
+        # live document, so its entries (if the cap left any) sit at the left.
+        for key, _ in self._ngrams(doc):
+            occ = self._index.get(key)
+            if occ is None:
+                continue
+            while occ and occ[0][0] == doc_id:
+                occ.popleft()
+            if not occ:
+                del self._index[key]
+
+    def lookup(self, context_ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix n-gram of context_ids.
+
+        Rule: longest n with any occurrence; among its occurrences the longest
+        continuation clipped to k, then the most recent. [] if none matches.
+        """
+        if k <= 0:
+            return []
+        ctx = tuple(int(t) for t in context_ids[-self.max_match :])
+        for n in range(min(self.max_match, len(ctx)), self.min_match - 1, -1):
+            occ = self._index.get(ctx[len(ctx) - n :])
+            if not occ:
+                continue
+            # deque order = recency, so max() over (clipped length, order) works.
+            _, _, doc_id, q = max(
+                (min(len(self._docs[d]) - q, k), i, d, q) for i, (d, q) in enumerate(occ))
+            return list(self._docs[doc_id][q : q + k])
+        return []
+
+    def lookup_batch(self, contexts: Sequence[Sequence[int]], k: int) -> np.ndarray:
+        """extra [B, k] int32: `lookup` per context, -1 padded (feed to merge_extra)."""
+        out = np.full((len(contexts), k), -1, np.int32)
+        for i, ctx in enumerate(contexts):
+            cont = self.lookup(ctx, k)
+            out[i, : len(cont)] = cont
+        return out
+
+    def load_jsonl(self, path: str | os.PathLike, tokenizer: Any = None) -> int:
+        """Add every line of a JSONL corpus; returns the number of documents added.
+
+        A line is {"text": str} (needs `tokenizer`: an object with
+        `.encode(text)` or a callable text -> ids; special tokens are not
+        added when the tokenizer supports that) or {"prompt_ids": [...]},
+        {"output_ids": [...]} or both (one document, prompt then output).
+        """
+        added = 0
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if "prompt_ids" in rec or "output_ids" in rec:
+                    ids = list(rec.get("prompt_ids", [])) + list(rec.get("output_ids", []))
+                elif "text" in rec:
+                    if tokenizer is None:
+                        raise ValueError(f"{path}:{lineno}: a 'text' line needs a tokenizer")
+                    ids = _encode(tokenizer, rec["text"])
+                else:
+                    raise ValueError(f"{path}:{lineno}: expected 'text', 'prompt_ids' or "
+                                     f"'output_ids', got keys {sorted(rec)}")
+                self.add(ids)
+                added += 1
+        return added
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike, tokenizer: Any = None,
+                   **kwargs: Any) -> "NgramCorpus":
+        """`NgramCorpus(**kwargs)` filled from `path` (see `load_jsonl`)."""
+        corpus = cls(**kwargs)
+        corpus.load_jsonl(path, tokenizer)
+        return corpus
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    if hasattr(tokenizer, "encode"):
+        try:
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        except TypeError:
+            return list(tokenizer.encode(text))
+    return list(tokenizer(text))

@@ -1,0 +1,169 @@
+"""Speculative decoding end to end on tiny random models.
+
+Greedy speculative output must equal Hugging Face greedy token for token
+(tie-aware), for every drafter and tree shape, page size and ragged batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache.attention import gather_pages
+from jaxspec.config import EngineSection, SpecSection
+from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.models.llama import forward
+from jaxspec.models.loading import load_model
+from jaxspec.spec.loop import spec_iteration
+from jaxspec.spec.standalone import truncate_layers
+from tests.reference import assert_greedy_equal, hf_greedy
+
+PROMPTS = [[5, 17, 33, 9, 100, 42, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [99]]
+NEW = 28
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dirs):
+    path, hf = tiny_dirs["llama"]
+    model = load_model(str(path), progress=False)
+    refs = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    return model, hf, refs
+
+
+def spec_engine(model, page_size=16, draft=None, **spec_kw):
+    ecfg = EngineSection(max_batch_size=4, max_context=128, length_buckets=(16, 32, 64, 128), page_size=page_size)
+    if spec_kw["algorithm"] == "standalone":
+        # The [spec] section describes the draft we pass: the target's first N layers.
+        draft = draft or (model.params, model.config)
+        spec_kw["draft_layers"] = draft[1].num_layers
+    spec = SpecSection(**spec_kw)
+    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)
+
+
+CASES = [
+    # (algorithm, topk, num_steps, num_draft_tokens, page_size, batch)
+    ("ngram", 1, 7, 8, 1, 4),
+    ("ngram", 4, 3, 16, 16, 4),
+    ("standalone", 1, 1, 2, 16, 4),
+    ("standalone", 1, 3, 4, 1, 1),
+    ("standalone", 1, 5, 4, 16, 4),
+    ("standalone", 2, 3, 8, 1, 4),
+    ("standalone", 2, 5, 16, 16, 1),
+    ("standalone", 4, 1, 4, 16, 4),
+    ("standalone", 4, 3, 16, 1, 4),
+]
+
+
+@pytest.mark.parametrize("algorithm, topk, steps, ndt, page_size, batch", CASES)
+def test_greedy_spec_equals_target_greedy(llama, algorithm, topk, steps, ndt, page_size, batch):
+    model, hf, refs = llama
+    # A 1-layer truncated draft disagrees with the target often, so rejection paths run.
+    draft = truncate_layers(model.params, model.config, 1) if algorithm == "standalone" else None
+    engine = spec_engine(model, page_size, draft=draft, algorithm=algorithm, topk=topk,
+                         num_steps=steps, num_draft_tokens=ndt)
+    prompts = PROMPTS[:batch]
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts])
+    for p, res, ref in zip(prompts, results, refs):
+        assert_greedy_equal(hf, p, res.output_ids, ref)
+        # The first token comes from prefill; every verify then commits num_accepted + 1.
+        assert sum(res.accept_lengths) >= NEW - 1
+        assert all(1 <= a <= ndt for a in res.accept_lengths)
+    assert engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_same_model_oracle_accepts_everything_on_chains(llama, k):
+    model, hf, refs = llama
+    engine = spec_engine(model, algorithm="standalone", topk=1, num_steps=k, num_draft_tokens=k + 1)
+    res = engine.generate([Request(PROMPTS[0], max_new_tokens=NEW)])[0]
+    assert res.output_ids == refs[0]
+    assert res.accept_lengths == [k + 1] * len(res.accept_lengths)  # tau = k + 1
+
+
+def test_stop_token_inside_an_accepted_run(llama):
+    model, hf, refs = llama
+    engine = spec_engine(model, algorithm="standalone", topk=1, num_steps=5, num_draft_tokens=6)
+    ref = refs[0]
+    stop = ref[8]  # the oracle commits 6 tokens per verify, so this lands mid-run
+    first = ref.index(stop)
+    res = engine.generate([Request(PROMPTS[0], max_new_tokens=NEW, stop_token_ids=(stop,)),
+                           Request(PROMPTS[1], max_new_tokens=NEW)])
+    assert res[0].output_ids == ref[: first + 1]
+    assert res[0].finish_reason == "stop"
+    assert res[1].output_ids == refs[1]
+
+
+def test_max_new_tokens_cuts_inside_a_run(llama):
+    model, hf, refs = llama
+    engine = spec_engine(model, algorithm="standalone", topk=1, num_steps=5, num_draft_tokens=6)
+    res = engine.generate([Request(PROMPTS[2], max_new_tokens=9)])[0]
+    assert res.output_ids == refs[2][:9]
+
+
+@pytest.mark.parametrize("verify", ["rejection", "target-only"])
+def test_sampling_verifiers_are_seeded_and_exact_for_greedy_requests(llama, verify):
+    model, hf, refs = llama
+    draft = truncate_layers(model.params, model.config, 1)
+    engine = spec_engine(model, draft=draft, algorithm="standalone", topk=1, num_steps=3,
+                         num_draft_tokens=4, verify=verify)
+    sampled = Request(PROMPTS[0], max_new_tokens=20, temperature=1.0, seed=7)
+    alone = engine.generate([sampled])[0].output_ids
+    mixed = engine.generate([Request(PROMPTS[1], max_new_tokens=NEW), sampled])
+    assert mixed[1].output_ids == alone, "a seeded request must not depend on its batch"
+    assert_greedy_equal(hf, PROMPTS[1], mixed[0].output_ids, refs[1])
+
+
+def test_tree_rejection_sampling_runs_with_deterministic_tree_drafts(llama):
+    model, hf, refs = llama
+    engine = spec_engine(model, algorithm="standalone", topk=2, num_steps=3, num_draft_tokens=6,
+                         verify="rejection")
+    res = engine.generate([Request(PROMPTS[0], max_new_tokens=NEW)])[0]
+    assert_greedy_equal(hf, PROMPTS[0], res.output_ids, refs[0])
+
+
+@pytest.mark.parametrize("topk, ndt, page_size, iters", [(2, 6, 4, 3), (1, 4, 1, 4), (4, 10, 16, 2)])
+def test_committed_cache_equals_fresh_prefill(llama, topk, ndt, page_size, iters):
+    """After any number of iterations, committed K/V == a fresh prefill of the committed tokens."""
+    model, _, _ = llama
+    draft = truncate_layers(model.params, model.config, 1)
+    engine = spec_engine(model, page_size, draft=draft, algorithm="standalone", topk=topk, num_steps=3,
+                         num_draft_tokens=ndt)
+    b, lb, ctx = 2, 16, 64
+    maxp = ctx // page_size
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    tokens = np.zeros((b, lb), np.int32)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    pt = np.zeros((b, maxp), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        pt[i] = engine.allocator.allocate(i, ctx)
+    sampling = SamplingParams(
+        temperature=jnp.zeros(b), top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b), seed=jnp.zeros(b, jnp.uint32),
+        stop_ids=jnp.full((b, 8), -1, jnp.int32), max_new=jnp.full(b, 40, jnp.int32),
+    )
+    state = engine._prefill(*engine._prefill_args(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(pt), sampling), ctx)
+    step = jax.jit(lambda p, dp, s: spec_iteration(engine.spec_plan, model.config, engine.drafter, p, dp, s))
+    for _ in range(iters):
+        state = step(model.params, engine.draft_params, state)
+    committed = np.asarray(state.hist_len) - 1  # the root's K/V is not in the cache yet
+    history = np.asarray(state.history)
+    assert (committed > lens).all(), "the test must cover committed drafts"
+
+    fresh_len = int(committed.max())
+    fresh_cache = dataclasses.replace(state.cache, k=jnp.zeros_like(state.cache.k), v=jnp.zeros_like(state.cache.v))
+    fresh = forward(
+        model.params, model.config, jnp.asarray(history[:, :fresh_len]),
+        jnp.broadcast_to(jnp.arange(fresh_len), (b, fresh_len)), fresh_cache, jnp.asarray(pt),
+        q_start=jnp.zeros(b, jnp.int32), kv_len=jnp.asarray(committed),
+    ).cache
+    for name in ("k", "v"):
+        got = jax.vmap(lambda layer: gather_pages(layer, jnp.asarray(pt)))(getattr(state.cache, name))
+        want = jax.vmap(lambda layer: gather_pages(layer, jnp.asarray(pt)))(getattr(fresh, name))
+        for i in range(b):
+            np.testing.assert_allclose(np.asarray(got[:, i, : committed[i]]), np.asarray(want[:, i, : committed[i]]),
+                                       atol=2e-5, rtol=1e-5)
+    engine.allocator.free_all()
