@@ -1,0 +1,84 @@
+"""The embedded SmolLM2-135M-Instruct against Hugging Face (float32, CPU).
+
+Slow-ish (the real model): greedy tokens for 6 chat prompts x 64 tokens, logits,
+and speculative greedy decoding (n-gram and the truncated-target drafter).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxspec.bench.common import CHAT_PROMPTS, chat_ids
+from jaxspec.cache.paged import KVCache
+from jaxspec.config import EngineSection, SpecSection
+from jaxspec.engine import Engine, Request
+from jaxspec.models.llama import forward
+from jaxspec.spec.standalone import truncate_layers
+from tests.reference import assert_greedy_equal, hf_greedy
+
+pytestmark = pytest.mark.slow
+NEW = 64
+ENGINE = EngineSection(max_batch_size=8, max_context=256, length_buckets=(64, 128, 256), page_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm):
+    return chat_ids(smollm.tokenizer, CHAT_PROMPTS[:6])
+
+
+@pytest.fixture(scope="module")
+def hf_refs(smollm_hf, prompts):
+    return [hf_greedy(smollm_hf, p, NEW) for p in prompts]
+
+
+def test_config_is_smollm2(smollm):
+    c = smollm.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0
+
+
+def test_logits_match_hf(smollm, smollm_hf, prompts):
+    ids = prompts[0]
+    with torch.no_grad():
+        ref = smollm_hf(torch.tensor([ids])).logits[0].numpy()
+    c = smollm.config
+    cache = KVCache.zeros(c.num_layers, 1 + 8, 16, c.num_kv_heads, c.head_dim)
+    t = len(ids)
+    out = forward(
+        smollm.params, c, jnp.asarray([ids]), jnp.arange(t)[None], cache, jnp.arange(1, 9)[None],
+        q_start=jnp.zeros(1, jnp.int32), kv_len=jnp.array([t]),
+    )
+    got = np.asarray(out.logits[0])
+    assert np.abs(got - ref).max() < 2e-3 * max(1.0, np.abs(ref).max())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_greedy_matches_hf_six_prompts(smollm, smollm_hf, prompts, hf_refs):
+    engine = Engine(smollm.params, smollm.config, ENGINE, progress=False)
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts])
+    for p, res, ref in zip(prompts, results, hf_refs):
+        assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
+    # batch-1 gives the same tokens as the ragged batch
+    assert engine.generate([Request(prompts[3], max_new_tokens=NEW)])[0].output_ids == results[3].output_ids
+
+
+@pytest.mark.parametrize(
+    "spec_kw",
+    [
+        dict(algorithm="ngram", topk=1, num_steps=7, num_draft_tokens=8),
+        dict(algorithm="standalone", topk=2, num_steps=3, num_draft_tokens=6, draft_layers=20),
+    ],
+    ids=["ngram-chain", "truncated-tree"],
+)
+def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec_kw):
+    draft = None
+    if spec_kw["algorithm"] == "standalone":
+        draft = truncate_layers(smollm.params, smollm.config, spec_kw["draft_layers"])
+    engine = Engine(smollm.params, smollm.config, ENGINE, progress=False, spec=SpecSection(**spec_kw), draft=draft)
+    results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts[:3]])
+    for p, res, ref in zip(prompts, results, hf_refs):
+        assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
+    assert engine.allocator.num_used == 0
