@@ -9,7 +9,7 @@ target's exact one. RUNS = 100_000 runs per configuration, batched through the
 jnp references (jitted). Cells with expected count < 5 are pooled.
 
 Significance: every "must match" test rejects at p < ALPHA = 1e-3 (per test,
-no multiplicity correction: about 10 such tests, so a false alarm has
+no multiplicity correction: 9 such tests, so a false alarm has
 probability ~1e-2 per full run; seeds are fixed, so results are reproducible).
 Every "must fail" test (deliberately broken samplers, thresholds < 1) requires
 p < ALPHA as well and in practice gets p ~ 0.
@@ -237,12 +237,13 @@ def joint_pvalue(parents, mode, verifier, seed=0) -> tuple[float, float]:
     (TREE22, "iid", "rejection"),  # i.i.d. siblings (duplicates possible)
     (ASYM, "wor", "rejection"),  # siblings without replacement
     (TREE22, "onehot", "rejection_onehot"),  # deterministic drafter, draft_probs=None
+    (CHAIN3, "iid", "rejection_onehot"),  # None with sampled drafts: still exact
     (TREE22, "iid", "target_only"),  # SGLang target-only, thresholds 1.0
-], ids=["chain-iid", "tree-iid", "tree-wor", "tree-onehot", "target-only"])
+], ids=["chain-iid", "tree-iid", "tree-wor", "tree-onehot", "chain-iid-none", "target-only"])
 def test_emitted_tokens_follow_target(parents, mode, verifier):
     pvalue, accepted = joint_pvalue(parents, mode, verifier)
     assert pvalue > ALPHA, pvalue
-    assert accepted > 0.25, accepted  # drafts really are accepted, not just bonuses
+    assert accepted > 0.15, accepted  # drafts really are accepted, not just bonuses
 
 
 @pytest.mark.parametrize("parents,mode,verifier", [

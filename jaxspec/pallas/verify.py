@@ -28,9 +28,13 @@ JAX 0.10 otherwise lowers pallas_call on GPU through Mosaic GPU). Triton
 constraints honoured: every loaded/stored tensor has a power-of-two size, no
 scratch, no multi-indexer refs, no closed-over array constants. On CPU the
 kernels run with interpret=True (tests). On TPU (and CPU without interpret)
-the wrappers fall back to the jnp references: dynamic scalar loads from
-vector memory and masked loads do not lower on Mosaic TPU; a Mosaic variant
-(SMEM tables, DMA'd probability rows) is future work.
+the wrappers fall back to the jnp references: Mosaic TPU rejects the
+per-sequence (None, N) blocks (last two block dims must be (8k, 128k) or the
+full array), has no masked loads and no dynamic lane indexing into vector
+memory. A Mosaic variant is future work: the greedy walk lowers there with
+whole-array SMEM refs indexed by program_id (checked by cross-platform
+lowering only); the sampling walks need probability rows DMA'd into VMEM
+and element reads done as masked row reductions.
 """
 
 from __future__ import annotations

@@ -49,7 +49,10 @@ Three verifiers, all walking from the root through the child/sibling tables:
   min(1, p'(t_j) / q_j(t_j)) using coin uniforms[b, j]; on acceptance the walk
   moves to j (p' = target_probs[j]); on rejection
   p' = normalize(max(p' - q_j, 0)). If no child is accepted the bonus is
-  sampled from p'. A chain is Leviathan et al. 2023.
+  sampled from p'. A chain is Leviathan et al. 2023. draft_probs=None is
+  exact given each proposed token, so it stays lossless whatever produced the
+  drafts (sampled ones included); it only accepts less (sum q*p instead of
+  sum min(p, q) per test) when q is known and informative.
 
 Bonus tokens are sampled by exponential race with bonus_noise [B, V] (see
 `jaxspec.spec.sampling`); `make_verify_noise` derives uniforms and bonus_noise
