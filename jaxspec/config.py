@@ -38,6 +38,9 @@ class EngineSection:
     max_context: int = 2048
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     length_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # "scan" (compile time independent of depth), "unrolled" (per-layer weight
+    # buffers; ~1.6x faster forwards on XLA:CPU) or "auto" (unrolled on CPU only).
+    layer_loop: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class Config:
         checks = [
             (self.model.dtype in ("float32", "bfloat16"), "model.dtype must be float32 or bfloat16"),
             (e.page_size >= 1, "engine.page_size must be >= 1"),
+            (e.layer_loop in ("auto", "scan", "unrolled"), "engine.layer_loop must be auto, scan or unrolled"),
             (e.num_pages >= 0, "engine.num_pages must be >= 0 (0 = automatic)"),
             (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),
             (e.max_context >= 2, "engine.max_context must be >= 2"),

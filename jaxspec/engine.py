@@ -26,7 +26,7 @@ import numpy as np
 from jaxspec.cache.paged import KVCache, PageAllocator
 from jaxspec.config import EngineSection
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.llama import forward
+from jaxspec.models.llama import forward, prepare_params
 from jaxspec.spec.sampling import sample_token
 
 MAX_STOP_IDS = 8
@@ -186,9 +186,13 @@ class Engine:
         self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
         spec=None, draft: tuple[dict, ModelConfig] | None = None,
     ):
-        """`spec`: a SpecSection (algorithm != "none" turns speculation on);
-        `draft`: (params, config) of the STANDALONE draft model."""
-        self.params = params
+        """`params`/`draft` params as loaded (Hugging Face layout); the engine keeps
+        the runtime layout (`prepare_params`). `spec`: a SpecSection (algorithm !=
+        "none" turns speculation on); `draft`: (params, config) of the STANDALONE
+        draft model."""
+        loop = engine_cfg.layer_loop
+        self._unstack = None if loop == "auto" else loop == "unrolled"
+        self.params = prepare_params(params, cfg, unstack=self._unstack)
         self.cfg = cfg
         self.ecfg = engine_cfg
         self.progress = progress
@@ -227,7 +231,8 @@ class Engine:
         if plan.algorithm == "standalone":
             if draft is None:
                 raise RequestError("standalone speculation needs a draft model")
-            self.draft_params, dcfg = draft
+            dparams, dcfg = draft
+            self.draft_params = prepare_params(dparams, dcfg, unstack=self._unstack)
             if dcfg.vocab_size != self.cfg.vocab_size:
                 raise RequestError(
                     f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "

@@ -15,7 +15,7 @@ from jaxspec.bench.common import CHAT_PROMPTS, chat_ids
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
-from jaxspec.models.llama import forward
+from jaxspec.models.llama import forward, prepare_params
 from jaxspec.spec.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, hf_greedy
 
@@ -48,7 +48,7 @@ def test_logits_match_hf(smollm, smollm_hf, prompts):
     cache = KVCache.zeros(c.num_layers, 1 + 8, 16, c.num_kv_heads, c.head_dim)
     t = len(ids)
     out = forward(
-        smollm.params, c, jnp.asarray([ids]), jnp.arange(t)[None], cache, jnp.arange(1, 9)[None],
+        prepare_params(smollm.params, c), c, jnp.asarray([ids]), jnp.arange(t)[None], cache, jnp.arange(1, 9)[None],
         q_start=jnp.zeros(1, jnp.int32), kv_len=jnp.array([t]),
     )
     got = np.asarray(out.logits[0])

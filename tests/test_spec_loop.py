@@ -148,7 +148,7 @@ def test_committed_cache_equals_fresh_prefill(llama, topk, ndt, page_size, iters
     state = engine._prefill(*engine._prefill_args(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(pt), sampling), ctx)
     step = jax.jit(lambda p, dp, s: spec_iteration(engine.spec_plan, model.config, engine.drafter, p, dp, s))
     for _ in range(iters):
-        state = step(model.params, engine.draft_params, state)
+        state = step(engine.params, engine.draft_params, state)
     committed = np.asarray(state.hist_len) - 1  # the root's K/V is not in the cache yet
     history = np.asarray(state.history)
     assert (committed > lens).all(), "the test must cover committed drafts"
@@ -156,7 +156,7 @@ def test_committed_cache_equals_fresh_prefill(llama, topk, ndt, page_size, iters
     fresh_len = int(committed.max())
     fresh_cache = dataclasses.replace(state.cache, k=jnp.zeros_like(state.cache.k), v=jnp.zeros_like(state.cache.v))
     fresh = forward(
-        model.params, model.config, jnp.asarray(history[:, :fresh_len]),
+        engine.params, model.config, jnp.asarray(history[:, :fresh_len]),
         jnp.broadcast_to(jnp.arange(fresh_len), (b, fresh_len)), fresh_cache, jnp.asarray(pt),
         q_start=jnp.zeros(b, jnp.int32), kv_len=jnp.asarray(committed),
     ).cache

@@ -63,9 +63,10 @@ def run_hf(hf, prompts, max_new: int, lookup: int = 0) -> float:
 def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict[int, float]:
     """Median ms of one target forward over T query tokens at a 256-token prefix."""
     from jaxspec.cache.paged import KVCache
-    from jaxspec.models.llama import forward
+    from jaxspec.models.llama import forward, prepare_params
 
     c = model.config
+    params = prepare_params(model.params, c)
     cache = KVCache.zeros(c.num_layers, 1 + 32, 16, c.num_kv_heads, c.head_dim)
     pt = jnp.arange(1, 33, dtype=jnp.int32)[None]
     out = {}
@@ -74,11 +75,11 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict[int, floa
                                                     kv_len=jnp.array([256 + t])).logits)
         tok = jnp.ones((1, t), jnp.int32)
         pos = 256 + jnp.arange(t)[None]
-        f(model.params, cache, tok, pos).block_until_ready()
+        f(params, cache, tok, pos).block_until_ready()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            f(model.params, cache, tok, pos).block_until_ready()
+            f(params, cache, tok, pos).block_until_ready()
             times.append(time.perf_counter() - t0)
         out[t] = 1000 * median(times)
     return out

@@ -154,7 +154,9 @@ class ModelConfig:
         return cls.from_hf_dict(data)
 
 
-# The params pytree. Every jitted entry point takes this dict; loaders produce it.
+# The params pytree as loaders produce it (Hugging Face layout). Jitted entry
+# points take the runtime layout made from it by `models.llama.prepare_params`
+# ([in, out] matrices, a separate `head`, optionally unstacked layers).
 # Matrices keep the Hugging Face (out, in) layout: on XLA:CPU the contraction
 # over the last (contiguous) axis is the fast, bandwidth-bound matrix-vector path.
 #

@@ -23,11 +23,11 @@ def rms_norm(
 
 def linear(
     x: jax.Array,  # [..., in]
-    w: jax.Array,  # [out, in]  (Hugging Face layout)
+    w: jax.Array,  # [in, out]  (runtime layout, see models.llama.prepare_params)
 ) -> jax.Array:  # [..., out]
-    # Contracting the last (contiguous) axis of both keeps XLA:CPU on its
-    # bandwidth-bound matrix-vector path for single-token decode.
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype) if w.dtype != x.dtype else w)
+    # [in, out] measured 15-25% faster than Hugging Face's [out, in] on XLA:CPU
+    # for 2-16 rows (the verify and batched-decode shapes), and equal at 1 row.
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype) if w.dtype != x.dtype else w)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:  # [head_dim // 2] f32

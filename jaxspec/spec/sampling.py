@@ -163,6 +163,13 @@ def sample_token(
     temperature <= 0.
     """
     vocab = logits.shape[-1]
-    probs = target_probs_from_logits(logits[:, None, :], temperature, top_k, top_p)[:, 0]
-    _, exp_noise = make_verify_noise(seeds, positions, 1, vocab)
-    return race_sample(probs, exp_noise)
+
+    def sampled(logits):
+        probs = target_probs_from_logits(logits[:, None, :], temperature, top_k, top_p)[:, 0]
+        _, exp_noise = make_verify_noise(seeds, positions, 1, vocab)
+        return race_sample(probs, exp_noise)
+
+    # An all-greedy batch skips the vocab-sized noise draw (measured 1 ms at
+    # B=1, 5 ms at B=8 on CPU: a sizable share of a decode step). Same tokens.
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy, sampled, logits)

@@ -170,7 +170,11 @@ def truncate_layers(params: dict, cfg: ModelConfig, num_layers: int) -> tuple[di
         from jaxspec.spec.algorithm import SpecConfigError
 
         raise SpecConfigError(f"draft_layers must be in [1, {cfg.num_layers}], got {num_layers}")
-    layers = jax.tree.map(lambda x: x[:num_layers], params["layers"])
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):  # runtime params, unstacked
+        layers = list(layers[:num_layers])
+    else:
+        layers = jax.tree.map(lambda x: x[:num_layers], layers)
     return {**params, "layers": layers}, dataclasses.replace(cfg, num_layers=num_layers)
 
 
