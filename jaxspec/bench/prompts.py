@@ -51,17 +51,32 @@ def humaneval_rewrite_prompts(n: int) -> list[str]:
     return out
 
 
+# Long enough (150+ tokens) that 128 new tokens stay inside the copy.
 _PASSAGES = [
     "The history of computing is longer than the history of computing hardware and modern computing "
     "technology and includes the history of methods intended for pen and paper or for chalk and slate, "
-    "with or without the aid of tables.",
+    "with or without the aid of tables. Digital computing is intimately tied to the representation of "
+    "numbers. But long before abstractions like the number arose, there were mathematical concepts to "
+    "serve the purposes of civilization. These concepts are implicit in concrete practices such as "
+    "one-to-one correspondence, the basis of counting, and comparison to a standard, used for "
+    "measurement. Eventually, the concept of numbers became concrete and familiar enough for counting to "
+    "arise, at times with sing-song mnemonics to teach sequences to others.",
     "Photosynthesis is a process used by plants and other organisms to convert light energy into chemical "
-    "energy that, through cellular respiration, can later be released to fuel the organism's activities.",
+    "energy that, through cellular respiration, can later be released to fuel the organism's activities. "
+    "Some of this chemical energy is stored in carbohydrate molecules, such as sugars and starches, which "
+    "are synthesized from carbon dioxide and water. Most plants, algae, and cyanobacteria perform "
+    "photosynthesis; such organisms are called photoautotrophs. Photosynthesis is largely responsible for "
+    "producing and maintaining the oxygen content of the Earth's atmosphere, and supplies most of the "
+    "biological energy necessary for complex life on Earth.",
     "A hash table is a data structure that implements an associative array, also called a dictionary, "
     "which is an abstract data type that maps keys to values. A hash table uses a hash function to compute "
-    "an index into an array of buckets or slots, from which the desired value can be found.",
+    "an index, also called a hash code, into an array of buckets or slots, from which the desired value can "
+    "be found. During lookup, the key is hashed and the resulting hash indicates where the corresponding "
+    "value is stored. Ideally, the hash function will assign each key to a unique bucket, but most hash "
+    "table designs employ an imperfect hash function, which might cause hash collisions where the hash "
+    "function generates the same index for more than one key.",
 ]
 
 
 def repeat_prompts(n: int) -> list[str]:
-    return [f"Repeat the following text exactly, twice:\n\n{_PASSAGES[i % len(_PASSAGES)]}" for i in range(n)]
+    return [f"Repeat the following text exactly:\n\n{_PASSAGES[i % len(_PASSAGES)]}" for i in range(n)]
