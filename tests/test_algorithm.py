@@ -154,6 +154,8 @@ def test_valid_configs_pass_and_canonicalise():
     assert out.algorithm == "standalone"
     assert A.validate_spec_config(spec(algorithm="standalone", draft_layers=2)).draft_layers == 2
     assert A.validate_spec_config(spec(simulate_accept_length=4), benchmark=True)
+    # N-gram depth is bounded by num_draft_tokens alone, not by num_steps.
+    assert A.validate_spec_config(spec(num_steps=1, num_draft_tokens=8)).num_draft_tokens == 8
     # "none" ignores the drafter fields: a leftover tree config does not fail.
     assert A.validate_spec_config(spec(algorithm="none", topk=8, num_draft_tokens=1000))
     # The loaded default config validates.
@@ -177,8 +179,10 @@ def test_valid_configs_pass_and_canonicalise():
     (dict(topk=0), "spec.topk must be >= 1; got 0"),
     (dict(num_draft_tokens=0), "spec.num_draft_tokens must be >= 1; got 0"),
     (dict(num_draft_tokens=1), "spec.num_draft_tokens must be >= 2 for algorithm 'ngram'"),
-    (dict(num_draft_tokens=5), r"spec.num_draft_tokens: num_draft_tokens=5 exceeds .* = 4"),
-    (dict(topk=2, num_steps=2, num_draft_tokens=8), r"1 \+ topk \+ \(num_steps-1\)\*topk\^2 = 7"),
+    (dict(algorithm="standalone", draft_layers=2, num_draft_tokens=5),
+     r"spec.num_draft_tokens: num_draft_tokens=5 exceeds .* = 4"),
+    (dict(algorithm="standalone", draft_layers=2, topk=2, num_steps=2, num_draft_tokens=8),
+     r"1 \+ topk \+ \(num_steps-1\)\*topk\^2 = 7"),
     (dict(ngram_min_match=0), "spec.ngram_min_match must be >= 1; got 0"),
     (dict(ngram_min_match=5, ngram_max_match=4),
      r"spec.ngram_min_match \(5\) must be <= spec.ngram_max_match \(4\)"),
@@ -197,9 +201,10 @@ def test_validate_errors(kw, message):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(simulate_accept_length=5), r"simulate_accept_length=5 exceeds .* = 4"),
-    # A tree is at most num_steps deep, however many nodes it has.
-    (dict(topk=2, num_steps=2, num_draft_tokens=7, simulate_accept_length=4),
+    (dict(simulate_accept_length=5), r"simulate_accept_length=5 exceeds .* num_draft_tokens = 4"),
+    # A stepped tree is at most num_steps deep, however many nodes it has.
+    (dict(algorithm="standalone", draft_layers=2, topk=2, num_steps=2, num_draft_tokens=7,
+          simulate_accept_length=4),
      r"1 \+ min\(num_steps, num_draft_tokens - 1\) = 3"),
 ])
 def test_simulate_accept_length_bound(kw, message):

@@ -69,6 +69,10 @@ class AlgorithmInfo:
     # or drafts that are a deterministic function of the context (one-hot q).
     supports_rejection_sampling: bool = False
     is_deterministic_drafter: bool = False  # no draft probabilities: pass draft_probs=None
+    # Draft trees grow one model step per level, so num_steps bounds their
+    # depth and num_draft_tokens <= 1 + topk + (num_steps-1)*topk^2. N-gram
+    # lookups have no steps: their depth is bounded by num_draft_tokens alone.
+    drafts_in_steps: bool = True
     implemented: bool = True
     speculative: bool = True  # False only for NONE: no draft, no verify
     description: str = ""
@@ -84,6 +88,7 @@ _BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
         speculative=False, description="plain autoregressive decode"),
     SpecAlgorithm.NGRAM: AlgorithmInfo(
         supports_tree=True, supports_rejection_sampling=True, is_deterministic_drafter=True,
+        drafts_in_steps=False,
         description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
     SpecAlgorithm.STANDALONE: AlgorithmInfo(
         needs_draft_model=True, needs_draft_kv_cache=True, supports_tree=True,
@@ -262,14 +267,15 @@ def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
          f"> 0 to draft with the target's first layers"),
     ]
     if s.simulate_accept_length > 0:
-        most = max_accept_length(s.num_steps, s.num_draft_tokens)
+        most = max_accept_length(s.num_steps, s.num_draft_tokens) if info.drafts_in_steps else s.num_draft_tokens
         checks += [
             (benchmark,
              f"spec.simulate_accept_length={s.simulate_accept_length} is a benchmark-only "
              f"mode (it commits tokens the target did not choose); set it to 0"),
             (s.simulate_accept_length <= most,
              f"spec.simulate_accept_length={s.simulate_accept_length} exceeds the most one "
-             f"verify can commit, 1 + min(num_steps, num_draft_tokens - 1) = {most}"),
+             f"verify can commit, " + (f"1 + min(num_steps, num_draft_tokens - 1) = {most}"
+                                       if info.drafts_in_steps else f"num_draft_tokens = {most}")),
         ]
     return checks
 
@@ -297,7 +303,8 @@ def validate_spec_config(spec: SpecSection, *, benchmark: bool = False) -> SpecS
             if not ok:
                 raise SpecConfigError(msg)
         try:
-            check_draft_config(spec.num_steps, spec.topk, spec.num_draft_tokens)
+            if info.drafts_in_steps:
+                check_draft_config(spec.num_steps, spec.topk, spec.num_draft_tokens)
         except ValueError as e:
             raise SpecConfigError(f"spec.num_draft_tokens: {e}") from None
         checks = _drafter_checks(spec, name, info, benchmark)
