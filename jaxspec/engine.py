@@ -355,7 +355,41 @@ class Engine:
         self.last_timing = timing
         return results  # type: ignore[return-value]
 
-    def _run_batch(self, reqs: list[Request], bucket, timing) -> list[Result]:
+    def profile_phases(self, requests: Sequence[Request]) -> dict:
+        """Speculative only: rerun the first batch with draft / verify / commit
+        jitted apart and timed on the host (the fused loop has no per-phase
+        clock). Same tokens; one host round trip per iteration, so the total is
+        a little above the fused loop's. Returns PhaseTimer.to_dict()."""
+        from jaxspec.spec.loop import make_phase_fns
+        from jaxspec.spec.metrics import PhaseTimer
+
+        if self.spec_plan is None:
+            raise RequestError("profile_phases needs speculative decoding (spec.algorithm != none)")
+        idx, bucket = self.plan(requests)[0]
+        draft, verify, commit = make_phase_fns(self.spec_plan, self.cfg, self.drafter)
+        timer = PhaseTimer()
+
+        def decode(params, draft_params, state):
+            # Compile the three phases on the start state first (untimed; no
+            # donation, so `state` stays valid).
+            t, p, q, d = draft(draft_params, state)
+            cache, result = verify(params, state, t, p, q)
+            jax.block_until_ready(commit(state, cache, d, t, result))
+            s = state
+            while not bool(jax.device_get(jnp.all(s.done))):
+                with timer.phase("draft"):
+                    t, p, q, d = jax.block_until_ready(draft(draft_params, s))
+                with timer.phase("verify"):
+                    cache, result = jax.block_until_ready(verify(params, s, t, p, q))
+                with timer.phase("other"):
+                    s = jax.block_until_ready(commit(s, cache, d, t, result))
+            return s
+
+        self._run_batch([requests[i] for i in idx], bucket, {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0},
+                        decode=decode)
+        return timer.to_dict()
+
+    def _run_batch(self, reqs: list[Request], bucket, timing, decode=None) -> list[Result]:
         b, lb, ctx = bucket
         maxp = -(-ctx // self.page_size)
         tokens = np.zeros((b, lb), np.int32)
@@ -386,7 +420,7 @@ class Engine:
             )
             jax.block_until_ready(state.done)
             t1 = time.perf_counter()
-            state = self._compiled[("decode", b, ctx)](*self._decode_args(state))
+            state = (decode or self._compiled[("decode", b, ctx)])(*self._decode_args(state))
             outputs, accept_lens = self._outputs(state, lens)
             t2 = time.perf_counter()
             self.cache = state.cache

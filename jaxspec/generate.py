@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ngram-min-match", type=int)
     sp.add_argument("--ngram-max-match", type=int)
     sp.add_argument("--ngram-corpus", metavar="FILE.jsonl", help="extra n-gram corpus (host-side index)")
+    sp.add_argument("--profile-phases", action="store_true",
+                    help="rerun the first batch with draft/verify/other timed apart and print the split")
     sp.add_argument("--simulate-accept-length", type=int, metavar="L",
                     help="benchmark only: force acceptance length L; output is NOT exact")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")
@@ -220,6 +222,11 @@ def run(args) -> int:
         _, total = batch_metrics([r.accept_lengths for r in results], cfg.spec.num_draft_tokens - 1)
         label = f"spec[{cfg.spec.algorithm}]" + (" SIMULATED, output not exact" if cfg.spec.simulate_accept_length else "")
         print(total.summary_line(label), file=sys.stderr)
+        if args.profile_phases:
+            split = engine.profile_phases(requests)
+            sec, tot = split["seconds"], split["total_s"] or float("nan")
+            print("time split (phases timed apart, first batch): " + " ".join(
+                f"{k}={v:.2f}s ({100 * v / tot:.0f}%)" for k, v in sec.items()), file=sys.stderr)
     return 0
 
 

@@ -32,21 +32,22 @@ def encode_entry(entry: dict, tokenizer, where: str) -> list[int]:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise PromptError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
         return ids
+    if "messages" not in entry and "prompt" not in entry:
+        raise PromptError(f"{where}: expected one of 'messages', 'prompt' or 'prompt_ids'")
+    if "messages" in entry:
+        messages = check_messages(entry["messages"], where)
+    elif not isinstance(entry["prompt"], str) or not entry["prompt"]:
+        raise PromptError(f"{where}: 'prompt' must be a non-empty string")
     if tokenizer is None:
         raise PromptError(f"{where}: the model has no tokenizer; give 'prompt_ids'")
     if "messages" in entry:
-        messages = check_messages(entry["messages"], where)
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"{where}: the model has no chat template; give 'prompt' or 'prompt_ids'")
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
-    if "prompt" in entry:
-        if not isinstance(entry["prompt"], str) or not entry["prompt"]:
-            raise PromptError(f"{where}: 'prompt' must be a non-empty string")
-        return tokenizer.encode(entry["prompt"], add_special_tokens=False)
-    raise PromptError(f"{where}: expected one of 'messages', 'prompt' or 'prompt_ids'")
+    return tokenizer.encode(entry["prompt"], add_special_tokens=False)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

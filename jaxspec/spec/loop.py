@@ -119,27 +119,37 @@ def _simulate(plan: SpecPlan, result, logits):
     return type(result)(accept_index.astype(jnp.int32), forced, bonus.astype(jnp.int32))
 
 
-def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_params, s: SpecState) -> SpecState:
-    live = ~s.done
-    seq_lens = s.hist_len - 1
-    n = plan.num_draft_tokens
-    # 1. Draft.
+def draft_phase(plan: SpecPlan, drafter, draft_params, s: SpecState):
+    """1. Draft: (tokens [B,N], parents [B,N] | None, draft_probs [B,N,V] | None, drafter state)."""
     tokens, parents, draft_probs, draft_state = _draft(plan, drafter, draft_params, s)
     if plan.simulate_accept_length:
         tokens = jnp.maximum(tokens, 0)  # every node is real, so the forced path exists
-    # 2. Tree: positions, mask and retrieve tables.
+    return tokens, parents, draft_probs, draft_state
+
+
+def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, parents, draft_probs):
+    """2-4. Tree, one target forward over all N nodes, accept: (cache, VerifyResult)."""
+    live = ~s.done
+    seq_lens = s.hist_len - 1
+    n = plan.num_draft_tokens
     tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
-    # 3. One target forward over all N nodes; node i is written at slot seq_len + i.
+    # Node i is written at slot seq_len + i; commit moves the accepted ones.
     out = forward(
         params, cfg, jnp.maximum(tokens, 0), tree.positions, s.cache, s.page_table,
         q_start=seq_lens, kv_len=jnp.where(live, seq_lens + n, seq_lens), tree_mask=tree.mask,
     )
-    # 4. Accept.
     result = _verify(plan, tree, tokens, out.logits, draft_probs, s, seq_lens)
     if plan.simulate_accept_length:
         result = _simulate(plan, result, out.logits)
-    # 5. Commit the accepted path's K/V contiguously (no-op moves for chains).
-    cache = commit_accepted_kv(out.cache, s.page_table, seq_lens, result.accept_index, result.num_accepted)
+    return out.cache, result
+
+
+def commit_phase(s: SpecState, cache, draft_state, tokens, result) -> SpecState:
+    """5-7. Commit K/V, emit tokens (cut at stops / max_new_tokens), record metrics."""
+    live = ~s.done
+    seq_lens = s.hist_len - 1
+    # 5. The accepted path's K/V becomes contiguous (no-op moves for chains).
+    cache = commit_accepted_kv(cache, s.page_table, seq_lens, result.accept_index, result.num_accepted)
     # 6. Emit: accepted drafts + bonus, cut at a stop token or max_new_tokens.
     new = emitted_tokens(tokens, result)  # [B, D+1]
     width = new.shape[1]
@@ -162,6 +172,13 @@ def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_para
     )
 
 
+def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_params, s: SpecState) -> SpecState:
+    """One draft -> verify -> commit iteration (the while_loop body)."""
+    tokens, parents, draft_probs, draft_state = draft_phase(plan, drafter, draft_params, s)
+    cache, result = verify_phase(plan, cfg, params, s, tokens, parents, draft_probs)
+    return commit_phase(s, cache, draft_state, tokens, result)
+
+
 def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter):
     def decode_fn(params, draft_params, state: SpecState) -> SpecState:
         return jax.lax.while_loop(
@@ -171,3 +188,12 @@ def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter):
         )
 
     return decode_fn
+
+
+def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
+    """The three phases as separately jitted functions, for timing them (the
+    fused while_loop gives no per-phase clock). Same math, same tokens."""
+    draft = jax.jit(lambda dp, s: draft_phase(plan, drafter, dp, s))
+    verify = jax.jit(lambda p, s, t, par, q: verify_phase(plan, cfg, p, s, t, par, q))
+    commit = jax.jit(commit_phase)
+    return draft, verify, commit

@@ -1,0 +1,100 @@
+"""`python -m jaxspec.generate`: output format, spec fields, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxspec.generate import main
+from jaxspec.models.loading import load_model
+from tests.reference import hf_greedy
+
+ENGINE = ["--set", "engine.length_buckets=16,32,64,128", "--max-context", "128", "--quiet"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_jsonl_in_out_matches_hf(tiny_dirs, tmp_path, capsys):
+    path, hf = tiny_dirs["llama"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 17, 33, 9]}\n\n{"prompt_ids": [200, 3], "max_new_tokens": 5}\n')
+    out = tmp_path / "o.jsonl"
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(prompts), "--output", str(out),
+                       "--max-new-tokens", "12", "--ignore-eos", *ENGINE)
+    assert code == 0, err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt_ids"] for x in lines] == [[5, 17, 33, 9], [200, 3]]
+    assert lines[0]["output_ids"] == hf_greedy(hf, [5, 17, 33, 9], 12)
+    assert len(lines[1]["output_ids"]) == 5
+    assert set(lines[0]) >= {"prompt_ids", "output_ids", "text", "finish_reason"}
+    assert "prompts=2" in err and "decode_tok/s=" in err
+
+
+def test_spec_cli_adds_accept_lengths_and_tau(tiny_dirs, tmp_path, capsys):
+    path, hf = tiny_dirs["llama"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 17, 33, 9]}\n')
+    out = tmp_path / "o.jsonl"
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(prompts), "--output", str(out),
+                       "--max-new-tokens", "16", "--ignore-eos", "--spec", "ngram", "--num-draft-tokens", "6",
+                       "--profile-phases", *ENGINE)
+    assert code == 0, err
+    line = json.loads(out.read_text())
+    assert line["output_ids"] == hf_greedy(hf, [5, 17, 33, 9], 16)
+    assert sum(line["accept_lengths"]) >= 15 and "exact" not in line
+    assert "spec[ngram]: tau=" in err
+    assert "time split" in err and "draft=" in err and "verify=" in err
+
+
+@pytest.mark.parametrize(
+    "argv_tail, message",
+    [
+        (["--model", "/nonexistent/model"], "error: "),
+        (["--prompts", "MISSING.jsonl"], "prompts file not found"),
+        (["--prompts", "BAD"], ":2: malformed JSON"),
+        (["--prompts", "LONG"], "exceeds the context"),
+        (["--prompts", "NOKEY"], "expected one of 'messages', 'prompt' or 'prompt_ids'"),
+        (["--prompts", "ROLE"], "unknown role"),
+        (["--spec", "eagle"], "not implemented yet"),
+        (["--spec", "bogus"], "unknown speculative algorithm"),
+        (["--spec", "standalone"], "needs a draft model"),
+        (["--spec", "standalone", "--draft-layers", "3", "--topk", "2", "--num-steps", "1",
+          "--num-draft-tokens", "9"], "num_draft_tokens=9 exceeds"),
+        (["--spec", "ngram", "--ngram-min-match", "5", "--ngram-max-match", "2"], "ngram_min_match"),
+        (["--page-size", "0"], "page_size must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_error(tiny_dirs, tmp_path, capsys, argv_tail, message):
+    path, _ = tiny_dirs["llama"]
+    files = {
+        "BAD": '{"prompt_ids": [1, 2]}\n{"prompt_ids": [1,\n',
+        "LONG": json.dumps({"prompt_ids": list(range(1, 120))}) + "\n",
+        "NOKEY": '{"text": "hi"}\n',
+        "ROLE": '{"messages": [{"role": "wizard", "content": "hi"}]}\n',
+    }
+    argv = ["--model", str(path), "--prompts", str(tmp_path / "ok.jsonl"), *ENGINE]
+    (tmp_path / "ok.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    for i, a in enumerate(argv_tail):
+        if a in files:
+            (tmp_path / a).write_text(files[a])
+            argv_tail = [*argv_tail[:i], str(tmp_path / a), *argv_tail[i + 1:]]
+        elif a == "MISSING.jsonl":
+            argv_tail = [*argv_tail[:i], str(tmp_path / a), *argv_tail[i + 1:]]
+    code, out, err = run(capsys, *argv, *argv_tail)
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_unknown_architecture_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1]}\n')
+    code, _, err = run(capsys, "--model", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl"), "--quiet")
+    assert code == 2 and "unknown architecture" in err and "Traceback" not in err
