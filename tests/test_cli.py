@@ -98,3 +98,12 @@ def test_unknown_architecture_is_one_line_error(tmp_path, capsys):
     (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1]}\n')
     code, _, err = run(capsys, "--model", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl"), "--quiet")
     assert code == 2 and "unknown architecture" in err and "Traceback" not in err
+
+
+def test_gpu_check_script_dry_run(capsys):
+    """The prepared GPU script runs end to end on CPU (interpret-mode kernels, tiny model)."""
+    from jaxspec.bench.gpu import main as gpu_main
+
+    assert gpu_main(["--dry-run", "--skip", "sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "BAD" not in out and "rejection verify" in out and "plain decode" in out

@@ -1,11 +1,11 @@
-"""`python -m jaxspec.bench {decode,spec,serve} ...`: benchmarks that print ratios measured side by side."""
+"""`python -m jaxspec.bench {decode,spec,gpu} ...`: benchmarks that print ratios measured side by side."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec"}
+SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu": "jaxspec.bench.gpu"}
 
 
 def main(argv=None) -> int:
