@@ -1,11 +1,13 @@
-"""Plain (non-speculative) generation: bucketed, AOT-compiled prefill and decode loop.
+"""Generation: bucketed, AOT-compiled prefill and an on-device decode loop.
 
 Two pure functions per shape bucket, compiled ahead of time and cached:
 
 * `prefill_fn(params, cache, tokens [B, L], prompt_lens [B], page_table, sampling)`
   writes the prompts' K/V and samples each sequence's first new token;
-* `decode_fn(params, state)` runs a `lax.while_loop` of single-token decode steps
-  until every sequence is done, with the `DecodeState` pytree as the carry.
+* `decode_fn(params, state)` runs a `lax.while_loop` until every sequence is
+  done: single-token steps with the `DecodeState` carry, or, with speculation
+  on, draft -> verify -> commit iterations with the `SpecState` carry
+  (`jaxspec.spec.loop`; the spec prefill also prefills the draft model).
 
 The cache is donated to both, so it is updated in place. Buckets are
 (batch, prompt length, context) for prefill and (batch, context) for decode;
@@ -429,6 +431,7 @@ class Engine:
         finally:
             for sid in seq_ids:
                 self.allocator.free(sid)
+            self._restore_donated_caches()
         timing["prefill_s"] += t1 - t0
         timing["decode_s"] += t2 - t1
         results = []
@@ -439,6 +442,14 @@ class Engine:
             results.append(Result(list(r.prompt_ids), out, "stop" if stopped else "length",
                                   accept_lens[i] if accept_lens else None))
         return results
+
+    def _restore_donated_caches(self) -> None:
+        """After a failed device call the donated caches are gone; start fresh ones
+        (their contents are dead anyway: every page was just freed)."""
+        for name in ("cache", "draft_cache"):
+            c = getattr(self, name)
+            if c is not None and c.k.is_deleted():
+                setattr(self, name, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), c))
 
     def _outputs(self, state, prompt_lens) -> tuple[list[list[int]], list[list[int]] | None]:
         """Generated tokens per row, and (speculative) committed tokens per verify step."""

@@ -123,3 +123,22 @@ def test_out_of_pages_is_a_clear_error_and_frees_partial_allocations(tiny_dirs):
         engine.generate([Request(PROMPTS[0], max_new_tokens=20), Request(PROMPTS[2], max_new_tokens=20)])
     assert engine.allocator.num_used == 0
     np.testing.assert_equal(len(engine.generate([Request(PROMPTS[1], max_new_tokens=8)])[0].output_ids), 8)
+
+
+def test_failed_device_call_frees_pages_and_engine_recovers(tiny_dirs):
+    path, hf = tiny_dirs["llama"]
+    engine = make_engine(path)
+    req = Request(PROMPTS[0], max_new_tokens=6)
+    first = engine.generate([req])[0].output_ids
+    key = next(k for k in engine._compiled if k[0] == "decode")
+    real = engine._compiled[key]
+
+    def failing_decode(*args):
+        raise RuntimeError("simulated device failure")
+
+    engine._compiled[key] = failing_decode
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate([req])  # the prefill already donated the cache
+    assert engine.allocator.num_used == 0
+    engine._compiled[key] = real
+    assert engine.generate([req])[0].output_ids == first
