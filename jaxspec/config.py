@@ -64,7 +64,7 @@ class SpecSection:
     threshold_acc: float = 1.0
     draft_model: str = ""
     draft_layers: int = 0
-    ngram_min_match: int = 1
+    ngram_min_match: int = 2  # 1 proposes after any repeated token: mostly rejected drafts
     ngram_max_match: int = 4
     ngram_corpus: str = ""
     simulate_accept_length: int = 0

@@ -85,6 +85,45 @@ def paged_attention_ref(
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
+def attention_with_block_ref(
+    q: jax.Array,  # [B, T, H, hd]
+    k_pages: jax.Array,  # [P, page_size, kvh, hd] one layer, read only
+    v_pages: jax.Array,  # [P, page_size, kvh, hd]
+    page_table: jax.Array,  # [B, max_pages] int32
+    q_start: jax.Array,  # [B] int32: cache slots < q_start are the visible prefix
+    k_block: jax.Array,  # [B, T, kvh, hd] the block's own keys, not in the cache
+    v_block: jax.Array,  # [B, T, kvh, hd]
+    tree_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
+    *,
+    scale: float,
+) -> jax.Array:  # [B, T, H, hd]
+    """Attention over the cached prefix plus an in-flight block that is not written yet.
+
+    Same result as writing the block at slots q_start.. and calling
+    `paged_attention_ref`, but the cache is only read, so a caller can choose the
+    block width under `lax.switch` without the cache becoming a branch output
+    (which makes XLA copy it).
+    """
+    b, t, h, hd = q.shape
+    kvh = k_pages.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, hd)
+    k = gather_pages(k_pages, page_table)
+    v = gather_pages(v_pages, page_table)
+    s = k.shape[1]
+    pre = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    prefix_visible = jnp.arange(s, dtype=jnp.int32)[None, :] < q_start[:, None]  # [B, S]
+    pre = jnp.where(prefix_visible[:, None, None, None, :], pre, _MASK_VALUE)
+    blk = jnp.einsum("btkgd,bukd->bkgtu", qg, k_block, preferred_element_type=jnp.float32) * scale
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    blk = jnp.where(tree_mask[:, None, None], blk, _MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([pre, blk], axis=-1), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :s].astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgtu,bukd->btkgd", probs[..., s:].astype(v_block.dtype), v_block,
+                           preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
 def paged_attention(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask=None, *, scale):
     """Dispatch: compiled Pallas kernel on GPU/TPU, jnp reference on CPU."""
     if kernels.use_kernel():

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache.attention import paged_attention
+from jaxspec.cache.attention import attention_with_block_ref, paged_attention
 from jaxspec.cache.paged import KVCache, slot_to_page, write_layer_kv
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
@@ -27,10 +27,14 @@ class ForwardOutput:
     last_hidden: jax.Array | None = None
     # Outputs of the chosen decoder layers, [len(hidden_layers), B, T, D], when asked for.
     layer_hidden: jax.Array | None = None
+    # With write_cache=False: the block's K and V per layer, each [L, B, T, kvh, hd].
+    new_kv: tuple[jax.Array, jax.Array] | None = None
 
 
-def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offsets, attn_args):
-    """One layer's attention: project, rotate, write K/V, attend over the paged cache."""
+def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offsets, attn_args, write_cache=True):
+    """One layer's attention: project, rotate, write K/V, attend over the paged cache.
+
+    Returns (output, cache_k, cache_v, (k, v) of the block)."""
     b, t, _ = x.shape
     q = linear(x, lp["wq"])
     k = linear(x, lp["wk"])
@@ -44,13 +48,18 @@ def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offse
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
     page_table, q_start, kv_len, tree_mask = attn_args
-    out = paged_attention(
-        q, cache_k[layer], cache_v[layer], page_table, q_start, kv_len, tree_mask,
-        scale=cfg.head_dim**-0.5,
-    )
-    return linear(out.reshape(b, t, cfg.q_size), lp["wo"]), cache_k, cache_v
+    if write_cache:
+        cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
+        out = paged_attention(
+            q, cache_k[layer], cache_v[layer], page_table, q_start, kv_len, tree_mask,
+            scale=cfg.head_dim**-0.5,
+        )
+    else:
+        out = attention_with_block_ref(
+            q, cache_k[layer], cache_v[layer], page_table, q_start, k, v, tree_mask, scale=cfg.head_dim**-0.5,
+        )
+    return linear(out.reshape(b, t, cfg.q_size), lp["wo"]), cache_k, cache_v, (k, v)
 
 
 def forward(
@@ -66,11 +75,14 @@ def forward(
     logits_index: jax.Array | None = None,  # [B, K] int32 positions to project; None = all
     return_last_hidden: bool = False,
     hidden_layers: tuple[int, ...] = (),
+    write_cache: bool = True,
 ) -> ForwardOutput:
     """Run the decoder over a block of T new tokens per sequence.
 
     Token t of sequence b is written to cache slot q_start[b] + t; tokens at or past
-    kv_len[b] are padding and write to the null page.
+    kv_len[b] are padding and write to the null page. With write_cache=False the
+    cache is only read (the block attends to itself directly) and the block's
+    K/V come back in `new_kv` for the caller to write (jnp attention only).
     """
     if "head" not in params:
         raise ValueError("forward() needs runtime params: call prepare_params(params, cfg) on loaded weights")
@@ -89,14 +101,14 @@ def forward(
     def layer_step(carry, xs):
         h, ck, cv = carry
         lp, layer = xs
-        a, ck, cv = _attention_block(
+        a, ck, cv, kv = _attention_block(
             cfg, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), cos, sin, ck, cv,
-            layer, pages, offsets, attn_args,
+            layer, pages, offsets, attn_args, write_cache,
         )
         h = h + a
         m = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         h = h + linear(jax.nn.silu(linear(m, lp["w_gate"])) * linear(m, lp["w_up"]), lp["w_down"])
-        return (h, ck, cv), (h if want is not None else None)
+        return (h, ck, cv), (h if want is not None else None, None if write_cache else kv)
 
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
@@ -104,13 +116,13 @@ def forward(
         # layer indices, so each weight is its own buffer fed straight to the dot.
         carry, outs = (x, cache.k, cache.v), []
         for i, lp in enumerate(layers):
-            carry, h_i = layer_step(carry, (lp, i))
-            outs.append(h_i)
+            carry, ys = layer_step(carry, (lp, i))
+            outs.append(ys)
         (x, ck, cv) = carry
-        per_layer = jnp.stack(outs) if want is not None else None
+        per_layer, new_kv = jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if outs else (None, None)
     else:
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, ck, cv), per_layer = jax.lax.scan(layer_step, (x, cache.k, cache.v), (layers, layer_ids))
+        (x, ck, cv), (per_layer, new_kv) = jax.lax.scan(layer_step, (x, cache.k, cache.v), (layers, layer_ids))
 
     # 3. Final norm and LM head, only at the positions the caller needs.
     if logits_index is not None:
@@ -122,6 +134,7 @@ def forward(
         cache=KVCache(k=ck, v=cv),
         last_hidden=x if return_last_hidden else None,
         layer_hidden=per_layer[want] if want is not None else None,
+        new_kv=new_kv,
     )
 
 

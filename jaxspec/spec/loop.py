@@ -16,10 +16,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache.paged import KVCache
+from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page
 from jaxspec.config import SpecSection
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
+from jaxspec.pallas import use_kernel
 from jaxspec.spec.commit import commit_accepted_kv
 from jaxspec.spec.sampling import make_verify_noise, target_probs_from_logits
 from jaxspec.spec.tree import build_tree
@@ -127,21 +128,70 @@ def draft_phase(plan: SpecPlan, drafter, draft_params, s: SpecState):
     return tokens, parents, draft_probs, draft_state
 
 
+def verify_widths(plan: SpecPlan) -> tuple[int, ...]:
+    """Forward widths a verify step may use. Drafters that leave padding (n-gram:
+    no match, or a short one) also get narrow widths, on the jnp path."""
+    n = plan.num_draft_tokens
+    if plan.algorithm != "ngram" or plan.simulate_accept_length or use_kernel():
+        return (n,)
+    return tuple(sorted({1, n} | {w for w in (2, 4) if w < n}))
+
+
+def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, tree, seq_lens, live):
+    """(cache, logits [B, N, V]) of the target forward over the draft tree.
+
+    Node i is written at slot seq_len + i (commit later moves the accepted ones).
+    With several widths, the forward runs over only the first `w` nodes, `w`
+    the narrowest width holding every live row's real nodes: padding comes after
+    the real nodes (tree convention), so those `w` nodes form a valid tree, and a
+    step where the n-gram drafter found nothing costs a plain decode step. The
+    branches only read the cache (the block attends to its own K/V directly) and
+    the K/V are written after the switch: a cache written inside a branch would
+    be copied whole by XLA every iteration. Logits past `w` are zero; they
+    belong to padding nodes, which no verifier accepts.
+    """
+    n = plan.num_draft_tokens
+    widths = verify_widths(plan)
+    tok = jnp.maximum(tokens, 0)
+    if len(widths) == 1:
+        out = forward(params, cfg, tok, tree.positions, s.cache, s.page_table, q_start=seq_lens,
+                      kv_len=jnp.where(live, seq_lens + n, seq_lens), tree_mask=tree.mask)
+        return out.cache, out.logits
+
+    def branch(w):
+        def run(cache):
+            out = forward(params, cfg, tok[:, :w], tree.positions[:, :w], cache, s.page_table, q_start=seq_lens,
+                          kv_len=seq_lens + w, tree_mask=tree.mask[:, :w, :w], write_cache=False)
+            pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, n - w)] + [(0, 0)] * (x.ndim - 3))  # noqa: E731
+            return jnp.pad(out.logits, ((0, 0), (0, n - w), (0, 0))), pad(out.new_kv[0]), pad(out.new_kv[1])
+
+        return run
+
+    real = (tokens >= 0) & live[:, None]
+    need = jnp.max(jnp.where(real, jnp.arange(n)[None, :] + 1, 1))
+    index = jnp.searchsorted(jnp.array(widths), need)
+    logits, k_new, v_new = jax.lax.switch(index, [branch(w) for w in widths], s.cache)
+    # Write the used nodes' K/V (all layers at once); the rest go to the null page.
+    width = jnp.array(widths)[index]
+    slots = seq_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    pages, offsets = slot_to_page(s.page_table, slots, s.cache.page_size)
+    used = (jnp.arange(n)[None, :] < width) & live[:, None]
+    pages = jnp.where(used, pages, NULL_PAGE)
+    cache = KVCache(k=s.cache.k.at[:, pages, offsets].set(k_new.astype(s.cache.k.dtype)),
+                    v=s.cache.v.at[:, pages, offsets].set(v_new.astype(s.cache.v.dtype)))
+    return cache, logits
+
+
 def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, parents, draft_probs):
-    """2-4. Tree, one target forward over all N nodes, accept: (cache, VerifyResult)."""
+    """2-4. Tree, one target forward over the draft tree, accept: (cache, VerifyResult)."""
     live = ~s.done
     seq_lens = s.hist_len - 1
-    n = plan.num_draft_tokens
     tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
-    # Node i is written at slot seq_len + i; commit moves the accepted ones.
-    out = forward(
-        params, cfg, jnp.maximum(tokens, 0), tree.positions, s.cache, s.page_table,
-        q_start=seq_lens, kv_len=jnp.where(live, seq_lens + n, seq_lens), tree_mask=tree.mask,
-    )
-    result = _verify(plan, tree, tokens, out.logits, draft_probs, s, seq_lens)
+    cache, logits = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live)
+    result = _verify(plan, tree, tokens, logits, draft_probs, s, seq_lens)
     if plan.simulate_accept_length:
-        result = _simulate(plan, result, out.logits)
-    return out.cache, result
+        result = _simulate(plan, result, logits)
+    return cache, result
 
 
 def commit_phase(s: SpecState, cache, draft_state, tokens, result) -> SpecState:
@@ -192,8 +242,29 @@ def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter):
 
 def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
     """The three phases as separately jitted functions, for timing them (the
-    fused while_loop gives no per-phase clock). Same math, same tokens."""
-    draft = jax.jit(lambda dp, s: draft_phase(plan, drafter, dp, s))
-    verify = jax.jit(lambda p, s, t, par, q: verify_phase(plan, cfg, p, s, t, par, q))
-    commit = jax.jit(commit_phase)
-    return draft, verify, commit
+    fused while_loop gives no per-phase clock). Same math, same tokens. The
+    caches are donated phase to phase, as in the fused loop; a copy of a
+    cache in every call would swamp the timings.
+
+    draft(draft_params, state) -> (tokens, parents, draft_probs, draft_state), consumes state.draft
+    verify(params, state, tokens, parents, draft_probs) -> (cache, result), consumes state.cache
+    commit(state, cache, draft_state, tokens, result) -> state
+    """
+
+    def draft(draft_params, draft_state, rest):
+        return draft_phase(plan, drafter, draft_params, dataclasses.replace(rest, draft=draft_state))
+
+    def verify(params, cache, rest, tokens, parents, draft_probs):
+        return verify_phase(plan, cfg, params, dataclasses.replace(rest, cache=cache), tokens, parents, draft_probs)
+
+    def commit(rest, cache, draft_state, tokens, result):
+        return commit_phase(dataclasses.replace(rest, cache=None), cache, draft_state, tokens, result)
+
+    draft_j = jax.jit(draft, donate_argnums=(1,))
+    verify_j = jax.jit(verify, donate_argnums=(1,))
+    commit_j = jax.jit(commit, donate_argnums=(1,))
+    return (
+        lambda dp, s: draft_j(dp, s.draft, dataclasses.replace(s, draft=None)),
+        lambda p, s, t, par, q: verify_j(p, s.cache, dataclasses.replace(s, cache=None, draft=None), t, par, q),
+        lambda s, cache, d, t, r: commit_j(dataclasses.replace(s, cache=None, draft=None), cache, d, t, r),
+    )
