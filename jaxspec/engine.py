@@ -126,7 +126,8 @@ def make_spec_prefill_fn(cfg: ModelConfig, drafter):
 
     prefill = make_prefill_fn(cfg)
 
-    def spec_prefill_fn(params, draft_params, cache, draft_cache, tokens, prompt_lens, page_table, sampling, max_out):
+    def spec_prefill_fn(params, draft_params, cache, draft_cache, corpus, tokens, prompt_lens, page_table, sampling,
+                        max_out):
         d = prefill(params, cache, tokens, prompt_lens, page_table, sampling, max_out)
         b = tokens.shape[0]
         history = jnp.zeros((b, max_out), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
@@ -139,7 +140,7 @@ def make_spec_prefill_fn(cfg: ModelConfig, drafter):
             cache=d.cache, draft=draft, page_table=page_table, history=history,
             hist_len=prompt_lens + (prompt_lens > 0).astype(jnp.int32), prompt_lens=prompt_lens,
             done=d.done, num_verify=jnp.zeros((b,), jnp.int32),
-            accept_lens=jnp.zeros((b, max_out), jnp.int32), sampling=sampling,
+            accept_lens=jnp.zeros((b, max_out), jnp.int32), sampling=sampling, corpus=corpus,
         )
 
     return spec_prefill_fn
@@ -187,12 +188,13 @@ class Engine:
 
     def __init__(
         self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
-        spec=None, draft: tuple[dict, ModelConfig] | None = None,
+        spec=None, draft: tuple[dict, ModelConfig] | None = None, ngram_corpus=None,
     ):
         """`params`/`draft` params as loaded (Hugging Face layout); the engine keeps
         the runtime layout (`prepare_params`). `spec`: a SpecSection (algorithm !=
         "none" turns speculation on); `draft`: (params, config) of the STANDALONE
-        draft model."""
+        draft model; `ngram_corpus`: token ids [K] (`corpus_token_array`) the
+        n-gram drafter also matches against, on device."""
         loop = engine_cfg.layer_loop
         self._unstack = None if loop == "auto" else loop == "unrolled"
         self.params = prepare_params(params, cfg, unstack=self._unstack)
@@ -211,25 +213,26 @@ class Engine:
         self.drafter = None
         self.draft_params = None
         self.draft_cache = None
+        self.corpus = None
         if spec is not None and spec.algorithm.lower() != "none":
-            self._init_spec(spec, draft, num_pages)
+            self._init_spec(spec, draft, num_pages, ngram_corpus)
         else:
             self._prefill = jax.jit(make_prefill_fn(cfg), donate_argnums=(1,), static_argnums=(6,))
             self._decode = jax.jit(make_decode_fn(cfg), donate_argnums=(1,))
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
 
-    def _init_spec(self, spec, draft, num_pages: int) -> None:
+    def _init_spec(self, spec, draft, num_pages: int, ngram_corpus) -> None:
         from jaxspec.spec.loop import SpecPlan, make_spec_decode_fn
         from jaxspec.spec.standalone import StandaloneDrafter
 
         from jaxspec.spec.algorithm import validate_spec_config
 
         plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=True))
-        if spec.ngram_corpus:
-            # NgramCorpus (host-side index) exists, but the whole generation is one
-            # device call here, so there is no host step to merge its drafts into.
-            raise RequestError("spec.ngram_corpus is not wired into the on-device loop yet")
+        if ngram_corpus is not None:
+            if plan.algorithm != "ngram":
+                raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
+            self.corpus = jnp.asarray(ngram_corpus, jnp.int32).reshape(1, -1)
         drafter = None
         if plan.algorithm == "standalone":
             if draft is None:
@@ -250,7 +253,7 @@ class Engine:
             )
         self.spec_plan = plan
         self.drafter = drafter
-        self._prefill = jax.jit(make_spec_prefill_fn(self.cfg, drafter), donate_argnums=(2, 3), static_argnums=(8,))
+        self._prefill = jax.jit(make_spec_prefill_fn(self.cfg, drafter), donate_argnums=(2, 3), static_argnums=(9,))
         self._decode = jax.jit(make_spec_decode_fn(plan, self.cfg, drafter), donate_argnums=(2,))
 
     @property
@@ -309,7 +312,8 @@ class Engine:
     def _prefill_args(self, tokens, lens, page_table, sampling) -> tuple:
         if self.spec_plan is None:
             return (self.params, self.cache, tokens, lens, page_table, sampling)
-        return (self.params, self.draft_params, self.cache, self.draft_cache, tokens, lens, page_table, sampling)
+        return (self.params, self.draft_params, self.cache, self.draft_cache, self.corpus, tokens, lens, page_table,
+                sampling)
 
     def _decode_args(self, state) -> tuple:
         if self.spec_plan is None:

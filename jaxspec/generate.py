@@ -168,7 +168,7 @@ def run(args) -> int:
 
     from jaxspec.engine import Engine
     from jaxspec.models.loading import load_model
-    from jaxspec.prompts import read_jsonl
+    from jaxspec.prompts import PromptError, read_jsonl
 
     cfg = config_from_args(args)
     progress = not args.quiet
@@ -185,8 +185,16 @@ def run(args) -> int:
     requests = build_requests(entries, model.tokenizer, cfg, stop_token_ids(model))
     spec_on = cfg.spec.algorithm.lower() != "none"
     draft = build_draft(cfg, model, dtype, progress) if spec_on else None
+    corpus = None
+    if spec_on and cfg.spec.ngram_corpus:
+        from jaxspec.spec.ngram import corpus_token_array
+
+        try:
+            corpus = corpus_token_array(cfg.spec.ngram_corpus, model.tokenizer)
+        except (ValueError, KeyError) as e:  # json errors are ValueErrors
+            raise PromptError(f"--ngram-corpus {cfg.spec.ngram_corpus}: {e}") from None
     engine = Engine(model.params, model.config, cfg.engine, progress=progress,
-                    spec=cfg.spec if spec_on else None, draft=draft)
+                    spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus)
     engine.compile(sorted({bucket for _, bucket in engine.plan(requests)}))
     t_ready = time.perf_counter()
     results = engine.generate(requests)

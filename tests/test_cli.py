@@ -107,3 +107,22 @@ def test_gpu_check_script_dry_run(capsys):
     assert gpu_main(["--dry-run", "--skip", "sweep"]) == 0
     out = capsys.readouterr().out
     assert "BAD" not in out and "rejection verify" in out and "plain decode" in out
+
+
+def test_ngram_corpus_flag_is_used_and_output_stays_exact(tiny_dirs, tmp_path, capsys):
+    path, hf = tiny_dirs["llama"]
+    prompt = [5, 17, 33, 9]
+    ref = hf_greedy(hf, prompt, 16)
+    corpus = tmp_path / "corpus.jsonl"
+    # A corpus that contains the continuation: drafts from it are accepted.
+    corpus.write_text(json.dumps({"prompt_ids": prompt, "output_ids": ref}) + "\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": prompt}) + "\n")
+    out = tmp_path / "o.jsonl"
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(prompts), "--output", str(out),
+                       "--max-new-tokens", "16", "--ignore-eos", "--spec", "ngram", "--num-draft-tokens", "6",
+                       "--ngram-corpus", str(corpus), *ENGINE)
+    assert code == 0, err
+    line = json.loads(out.read_text())
+    assert line["output_ids"] == ref
+    assert max(line["accept_lengths"]) == 6, "the corpus continuation should be accepted whole"

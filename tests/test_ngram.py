@@ -357,3 +357,23 @@ def test_corpus_extra_into_device_proposal():
     extra = corpus.lookup_batch([hist[b, : lens[b]].tolist() for b in range(B)], 3)
     t, p = merge_extra(jnp.asarray(tok), jnp.asarray(par), jnp.asarray(extra), chain=True)
     assert t.tolist()[0] == [11, 12, 13, 14] and p.tolist()[0] == [-1, 0, 1, 2]
+
+
+def test_prepended_corpus_supplies_drafts_and_separators_stop_continuations(tmp_path):
+    from jaxspec.spec.ngram import CORPUS_SEPARATOR, corpus_token_array
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"prompt_ids": [1, 2, 3, 4, 5]}\n{"output_ids": [7, 8, 9]}\n')
+    corpus = corpus_token_array(path)
+    assert corpus.tolist() == [CORPUS_SEPARATOR, 1, 2, 3, 4, 5, CORPUS_SEPARATOR, 7, 8, 9, CORPUS_SEPARATOR]
+    # The history "... 2 3" has no earlier match of its own; the corpus continues it with 4 5,
+    # and the continuation stops at the separator instead of running into the next document.
+    history = np.array([[11, 12, 2, 3]], np.int32)
+    full = np.concatenate([corpus[None], history], axis=1)
+    tokens, parents = ngram_propose(jnp.asarray(full), jnp.array([full.shape[1]]), num_draft_tokens=5, topk=1,
+                                    min_match=2, max_match=3)
+    assert tokens.tolist() == [[3, 4, 5, -1, -1]]
+    # Without the corpus there is nothing to propose.
+    tokens, _ = ngram_propose(jnp.asarray(history), jnp.array([4]), num_draft_tokens=5, topk=1,
+                              min_match=2, max_match=3)
+    assert tokens.tolist() == [[3, -1, -1, -1, -1]]

@@ -40,6 +40,8 @@ class SpecState:
     num_verify: jax.Array  # [B] int32 verify steps taken
     accept_lens: jax.Array  # [B, C] int32 committed tokens per verify step (num_accepted + 1)
     sampling: object  # engine.SamplingParams
+    # [1, K] int32 n-gram corpus prepended to every history for matching, or None.
+    corpus: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +85,12 @@ def _draft(plan: SpecPlan, drafter, draft_params, s: SpecState):
     if plan.algorithm == "ngram":
         from jaxspec.spec.ngram import ngram_propose
 
+        history, hist_len = s.history, s.hist_len
+        if s.corpus is not None:
+            history = jnp.concatenate([jnp.broadcast_to(s.corpus, (history.shape[0], s.corpus.shape[1])), history], 1)
+            hist_len = hist_len + s.corpus.shape[1]
         tokens, parents = ngram_propose(
-            s.history, s.hist_len, num_draft_tokens=plan.num_draft_tokens, topk=plan.topk,
+            history, hist_len, num_draft_tokens=plan.num_draft_tokens, topk=plan.topk,
             min_match=plan.ngram_min_match, max_match=plan.ngram_max_match,
         )
         return tokens, (None if plan.chain else parents), None, s.draft

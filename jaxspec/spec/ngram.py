@@ -252,7 +252,10 @@ def ngram_propose(
     ml = match_lengths(history, hist_len, min(max_match, c))
     qpos = jnp.arange(c, dtype=jnp.int32)[None, :]
     in_range = (qpos >= 1) & (qpos < hist_len[:, None])
-    cont_len = jnp.where(in_range, jnp.minimum(hist_len[:, None] - qpos, depth), 0)
+    # Negative tokens separate documents (a prepended corpus, `corpus_token_array`):
+    # a continuation stops there, so no draft crosses from one text into another.
+    next_sep = jax.lax.cummin(jnp.where(history < 0, qpos, c), axis=1, reverse=True)
+    cont_len = jnp.where(in_range, jnp.minimum(jnp.minimum(hist_len[:, None], next_sep) - qpos, depth), 0)
 
     # 2. Pick up to topk branches.
     starts, lengths = _pick_branches(history, ml, cont_len, topk=topk, min_match=min_match,
@@ -463,6 +466,24 @@ class NgramCorpus:
         corpus = cls(**kwargs)
         corpus.load_jsonl(path, tokenizer)
         return corpus
+
+
+CORPUS_SEPARATOR = -2
+
+
+def corpus_token_array(path: str | os.PathLike, tokenizer: Any = None, max_tokens: int = 16384) -> np.ndarray:
+    """A JSONL corpus (see `NgramCorpus.load_jsonl`) as one flat int32 array for the
+    on-device drafter: documents joined by CORPUS_SEPARATOR, most recent last,
+    cut to the last `max_tokens`. The loop prepends it to every sequence's
+    history, so matches can come from the corpus without any host round trip."""
+    corpus = NgramCorpus(max_tokens=max_tokens)
+    corpus.load_jsonl(path, tokenizer)
+    out: list[int] = [CORPUS_SEPARATOR]
+    for doc in corpus._docs.values():
+        out += list(doc) + [CORPUS_SEPARATOR]
+    arr = np.asarray(out[-max_tokens:], np.int32)
+    arr[0] = CORPUS_SEPARATOR  # a cut document must not run into the history
+    return arr
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
