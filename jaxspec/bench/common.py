@@ -93,7 +93,7 @@ def timed(fn: Callable[[], object], reps: int) -> list[float]:
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A Markdown table, so the output pastes straight into the README."""
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: ("n/a" if v != v else f"{v:.2f}") if isinstance(v, float) else str(v)  # noqa: E731
     print("| " + " | ".join(headers) + " |")
     print("|" + "|".join("---" for _ in headers) + "|")
     for row in rows:
