@@ -142,3 +142,34 @@ def test_failed_device_call_frees_pages_and_engine_recovers(tiny_dirs):
     assert engine.allocator.num_used == 0
     engine._compiled[key] = real
     assert engine.generate([req])[0].output_ids == first
+
+
+def test_bfloat16_weights_and_cache_track_float32(tiny_dirs):
+    """bfloat16 mode: same code path; logits within bf16 rounding of the float32 reference."""
+    import jax.numpy as jnp
+
+    from jaxspec.cache.paged import KVCache
+    from jaxspec.models.llama import forward, prepare_params
+
+    path, _ = tiny_dirs["llama"]
+    outs = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = load_model(str(path), dtype=dtype, progress=False)
+        c = model.config
+        assert model.params["embed"].dtype == dtype
+        cache = KVCache.zeros(c.num_layers, 9, 4, c.num_kv_heads, c.head_dim, dtype)
+        tokens = jnp.asarray([PROMPTS[2]])
+        t = tokens.shape[1]
+        outs[dtype] = np.asarray(forward(
+            prepare_params(model.params, c), c, tokens, jnp.arange(t)[None], cache, jnp.arange(1, 9)[None],
+            q_start=jnp.zeros(1, jnp.int32), kv_len=jnp.array([t]),
+        ).logits)
+    ref, got = outs[jnp.float32], outs[jnp.bfloat16]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    # And the engine generates in bfloat16 end to end.
+    bf = load_model(str(path), dtype=jnp.bfloat16, progress=False)
+    engine = Engine(bf.params, bf.config, EngineSection(max_batch_size=1, max_context=64, length_buckets=(16, 64)),
+                    progress=False)
+    assert engine.cache.k.dtype == jnp.bfloat16
+    assert len(engine.generate([Request(PROMPTS[0], max_new_tokens=8)])[0].output_ids) == 8
