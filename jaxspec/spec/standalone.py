@@ -83,7 +83,6 @@ class StandaloneDrafter:
         return self._tree(params, state, logits, root, hist_len, page_table)
 
     def _chain(self, params, state, logits, root, hist_len, page_table, sampling):
-        b = root.shape[0]
         n = self.num_draft_tokens
         tokens, qs = [root], []
         cache = state.cache
@@ -112,7 +111,6 @@ class StandaloneDrafter:
         draft_probs = None
         if self.sample_drafts:
             draft_probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; root unused
-        del b
         return jnp.stack(tokens, axis=1), None, draft_probs, DraftState(cache=cache, draft_len=state.draft_len)
 
     def _tree(self, params, state, logits, root, hist_len, page_table):
