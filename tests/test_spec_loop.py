@@ -47,17 +47,26 @@ def spec_engine(model, page_size=16, draft=None, **spec_kw):
     return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)
 
 
+def _standalone_cases():
+    """Every valid (topk, steps, num_draft_tokens) in {1,2,4} x {1,3,5} x {2,4,8,16}; page size and
+    batch alternate so both values of each meet every tree shape family."""
+    from jaxspec.spec.tree import max_draft_tokens
+
+    cases = []
+    for topk in (1, 2, 4):
+        for steps in (1, 3, 5):
+            for ndt in (2, 4, 8, 16):
+                if ndt <= max_draft_tokens(steps, topk) and (topk > 1 or ndt <= steps + 1):
+                    i = len(cases)
+                    cases.append(("standalone", topk, steps, ndt, (1, 16)[i % 2], (4, 1, 4)[i % 3]))
+    return cases
+
+
 CASES = [
     # (algorithm, topk, num_steps, num_draft_tokens, page_size, batch)
     ("ngram", 1, 7, 8, 1, 4),
     ("ngram", 4, 3, 16, 16, 4),
-    ("standalone", 1, 1, 2, 16, 4),
-    ("standalone", 1, 3, 4, 1, 1),
-    ("standalone", 1, 5, 4, 16, 4),
-    ("standalone", 2, 3, 8, 1, 4),
-    ("standalone", 2, 5, 16, 16, 1),
-    ("standalone", 4, 1, 4, 16, 4),
-    ("standalone", 4, 3, 16, 1, 4),
+    *_standalone_cases(),
 ]
 
 
