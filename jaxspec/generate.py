@@ -195,6 +195,7 @@ def run(args) -> int:
             raise PromptError(f"--ngram-corpus {cfg.spec.ngram_corpus}: {e}") from None
     engine = Engine(model.params, model.config, cfg.engine, progress=progress,
                     spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus)
+    model.params = draft = None  # the engine holds its own runtime layout; free the loader's copy
     engine.compile(sorted({bucket for _, bucket in engine.plan(requests)}))
     t_ready = time.perf_counter()
     results = engine.generate(requests)
