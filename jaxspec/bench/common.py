@@ -42,25 +42,19 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 7) -> float:
     import jax.numpy as jnp
 
     a = np.ones(num_bytes // 4, np.float32)
-    np_times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a.sum()
-        np_times.append(time.perf_counter() - t0)
+    np_times = timed(a.sum, reps)
     x = jnp.asarray(a)
     f = jax.jit(lambda v: jnp.sum(v))
     f(x).block_until_ready()
-    jx_times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        jx_times.append(time.perf_counter() - t0)
-    del x
+    jx_times = timed(lambda: f(x).block_until_ready(), reps)
     return num_bytes / min(median(np_times), median(jx_times))
 
 
-def hf_generate_tps(model, prompts: list[list[int]], max_new_tokens: int, batch: int, reps: int = 1) -> float:
-    """Hugging Face `generate` greedy tokens/s, EOS ignored; left-padded batches."""
+def hf_generate_tps(
+    model, prompts: list[list[int]], max_new_tokens: int, batch: int, reps: int = 1, lookup: int = 0
+) -> float:
+    """Hugging Face `generate` greedy tokens/s, EOS ignored; left-padded batches.
+    `lookup` > 0 turns on prompt-lookup decoding with that many draft tokens."""
     import torch
 
     model.generation_config.eos_token_id = None
@@ -76,6 +70,7 @@ def hf_generate_tps(model, prompts: list[list[int]], max_new_tokens: int, batch:
                 model.generate(
                     ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                     do_sample=False, pad_token_id=0, eos_token_id=None,
+                    **(dict(prompt_lookup_num_tokens=lookup) if lookup else {}),
                 )
                 dt = time.perf_counter() - t0
             rates.append(len(chunk) * max_new_tokens / dt)

@@ -13,13 +13,12 @@ One run, embedded model, float32, batch 1, EOS ignored. Prints Markdown tables:
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.common import chat_ids, median, print_table
+from jaxspec.bench.common import chat_ids, hf_generate_tps, median, print_table, timed
 
 
 def engine_for(model, spec_kw: dict | None, draft=None):
@@ -46,18 +45,8 @@ def run_engine(engine, prompts, max_new: int) -> tuple[float, float]:
 
 
 def run_hf(hf, prompts, max_new: int, lookup: int = 0) -> float:
-    import torch
-
-    hf.generation_config.eos_token_id = None
-    rates = []
-    for p in prompts:
-        kw = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                        pad_token_id=0, eos_token_id=None, **kw)
-            rates.append(max_new / (time.perf_counter() - t0))
-    return median(rates)
+    """Median Hugging Face tokens/s at batch 1 (plain `generate`, or prompt lookup)."""
+    return hf_generate_tps(hf, prompts, max_new, batch=1, lookup=lookup)
 
 
 def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict[int, float]:
@@ -76,12 +65,7 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict[int, floa
         tok = jnp.ones((1, t), jnp.int32)
         pos = 256 + jnp.arange(t)[None]
         f(params, cache, tok, pos).block_until_ready()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f(params, cache, tok, pos).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        out[t] = 1000 * median(times)
+        out[t] = 1000 * median(timed(lambda: f(params, cache, tok, pos).block_until_ready(), reps))
     return out
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page
+from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
 from jaxspec.config import SpecSection
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
@@ -183,9 +183,8 @@ def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, toke
     pages, offsets = slot_to_page(s.page_table, slots, s.cache.page_size)
     used = (jnp.arange(n)[None, :] < width) & live[:, None]
     pages = jnp.where(used, pages, NULL_PAGE)
-    cache = KVCache(k=s.cache.k.at[:, pages, offsets].set(k_new.astype(s.cache.k.dtype)),
-                    v=s.cache.v.at[:, pages, offsets].set(v_new.astype(s.cache.v.dtype)))
-    return cache, logits
+    k, v = write_layer_kv(s.cache.k, s.cache.v, slice(None), pages, offsets, k_new, v_new)
+    return KVCache(k=k, v=v), logits
 
 
 def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, parents, draft_probs):
