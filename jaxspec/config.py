@@ -4,6 +4,7 @@
     [engine]    paged cache and static shape buckets
     [sampling]  per-request defaults
     [spec]      speculative decoding
+    [serve]     the OpenAI-compatible server (`python -m jaxspec.serve`)
 
 `load_config("configs/x.toml", {"engine.page_size": 1})` reads the file and then
 applies dotted overrides; unknown sections or keys and ill-typed values raise
@@ -71,11 +72,32 @@ class SpecSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeSection:
+    host: str = "127.0.0.1"  # loopback only unless asked
+    port: int = 8000
+    api_key: str = ""  # "" = no auth
+    served_model_name: str = ""  # "" = the model path's name
+    # Speculative iterations per device call: larger amortises the host round
+    # trip, smaller lets new requests in sooner (they wait at most one call).
+    steps_per_call: int = 4
+    prefill_chunk: int = 256  # prompt tokens per prefill call and row
+    max_prefill_batch: int = 4
+    context_buckets: tuple[int, ...] = (256, 1024)  # decode buckets below engine.max_context
+    adaptive: bool = True
+    # Draft lengths adaptive speculation picks from (chains; 0 = no speculation).
+    adaptive_steps: tuple[int, ...] = (0, 1, 3, 5)
+    adaptive_hysteresis: float = 0.1
+    kv_memory_fraction: float = 0.0  # > 0 sizes the page pool from free device memory
+    max_body_bytes: int = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelSection = ModelSection()
     engine: EngineSection = EngineSection()
     sampling: SamplingSection = SamplingSection()
     spec: SpecSection = SpecSection()
+    serve: ServeSection = ServeSection()
 
     def validate(self) -> "Config":
         e, s = self.engine, self.sampling
@@ -92,6 +114,14 @@ class Config:
             (s.temperature >= 0, "sampling.temperature must be >= 0"),
             (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
             (s.top_k >= 0, "sampling.top_k must be >= 0"),
+            (0 <= self.serve.port < 65536, "serve.port must be in [0, 65535]"),
+            (self.serve.steps_per_call >= 1, "serve.steps_per_call must be >= 1"),
+            (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),
+            (self.serve.max_prefill_batch >= 1, "serve.max_prefill_batch must be >= 1"),
+            (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,
+             "serve.adaptive_steps must be non-empty draft lengths >= 0"),
+            (0 <= self.serve.kv_memory_fraction < 1, "serve.kv_memory_fraction must be in [0, 1)"),
+            (self.serve.max_body_bytes >= 1024, "serve.max_body_bytes must be >= 1024"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -157,8 +187,10 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return cfg.validate()
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    cfg = Config()
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                base: Config | None = None) -> Config:
+    """`base` (default: Config()) < the TOML file < `overrides`."""
+    cfg = base or Config()
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())

@@ -46,6 +46,10 @@ class StandaloneDrafter:
     topk: int
     num_draft_tokens: int
     sample_drafts: bool  # rejection verify: chain drafts are sampled from q, with q returned
+    # Catch-up block width; 0 = max_depth + 1. A server that switches between
+    # draft lengths (adaptive speculation) sets the widest one, so a step after
+    # a deep one still feeds every committed token.
+    catch_up_width: int = 0
 
     @property
     def max_depth(self) -> int:
@@ -63,7 +67,7 @@ class StandaloneDrafter:
 
     def _catch_up(self, params, state, history, hist_len, page_table, live):
         """Feed committed-but-unseen tokens; return logits at the newest one [B, V]."""
-        width = self.max_depth + 1
+        width = max(self.catch_up_width, self.max_depth + 1)
         cols = state.draft_len[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
         block = jnp.take_along_axis(history, jnp.minimum(cols, history.shape[1] - 1), axis=1)
         kv_len = jnp.where(live, hist_len, state.draft_len)
@@ -109,7 +113,7 @@ class StandaloneDrafter:
                 )
                 logits, cache = out.logits[:, 0], out.cache
         draft_probs = None
-        if self.sample_drafts:
+        if self.sample_drafts and qs:
             draft_probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; root unused
         return jnp.stack(tokens, axis=1), None, draft_probs, DraftState(cache=cache, draft_len=state.draft_len)
 

@@ -1,0 +1,5 @@
+import sys
+
+from jaxspec.serve.launch import main
+
+sys.exit(main())

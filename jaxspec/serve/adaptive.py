@@ -1,0 +1,92 @@
+"""Adaptive speculation: the draft length per batch-size bucket, from measured acceptance and cost.
+
+Speculation pays while verifying k+1 tokens costs about one decode step. As the
+batch grows, decode stops being bandwidth-bound and verify stops being free,
+so the best draft length falls, down to 0 (plain decoding).
+
+Model (chain drafts): r_i is the rate at which draft position i is accepted
+given position i-1 was, an EMA over observed verify steps. A step drafting k
+tokens commits E(k) = 1 + sum_{i<=k} prod_{j<=i} r_j tokens on average
+(bonus included). cost(k, b) is the seconds per iteration at batch bucket b:
+seeded by a start-up calibration, then an EMA of measured device calls. The
+choice maximises E(k) / cost(k, b); it switches only when the winner beats
+the current choice by `hysteresis`, so noise does not flap it. Positions
+beyond the deepest one observed reuse its rate. While at k = 0 nothing is
+learned, so every `probe_every`-th call drafts the smallest k > 0.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+
+class AdaptiveSteps:
+    def __init__(self, candidates: Sequence[int], cost: Mapping[tuple[int, int], float], *, ema: float = 0.1,
+                 hysteresis: float = 0.1, probe_every: int = 16, prior_rate: float = 0.5):
+        self.candidates = tuple(sorted(set(candidates)))
+        if not self.candidates or min(self.candidates) < 0:
+            raise ValueError(f"adaptive candidates must be non-negative draft lengths, got {candidates}")
+        self.cost = dict(cost)
+        self.ema = ema
+        self.hysteresis = hysteresis
+        self.probe_every = probe_every
+        depth = max(self.candidates)
+        self.rates = [prior_rate] * depth  # r_1..r_depth
+        self.observed = [False] * depth
+        self.current: dict[int, int] = {}  # batch bucket -> k
+        self._calls_at_zero: dict[int, int] = {}
+
+    # ---- model -------------------------------------------------------------------
+
+    def _rate(self, i: int) -> float:
+        """r_{i+1} (0-based i): observed, else the deepest observed shallower one."""
+        for j in range(i, -1, -1):
+            if self.observed[j]:
+                return self.rates[j]
+        return self.rates[i]
+
+    def expected_tokens(self, k: int) -> float:
+        total, p = 1.0, 1.0
+        for i in range(k):
+            p *= self._rate(i)
+            total += p
+        return total
+
+    def score(self, k: int, b: int) -> float:
+        cost = self.cost.get((k, b))
+        return self.expected_tokens(k) / cost if cost else 0.0
+
+    # ---- policy ------------------------------------------------------------------
+
+    def best(self, b: int) -> int:
+        return max(self.candidates, key=lambda k: (self.score(k, b), -k))
+
+    def choose(self, b: int) -> int:
+        cur = self.current.get(b)
+        best = self.best(b)
+        if cur is None or self.score(best, b) > (1 + self.hysteresis) * self.score(cur, b):
+            cur = best
+        self.current[b] = cur
+        if cur == 0 and len(self.candidates) > 1:
+            n = self._calls_at_zero.get(b, 0) + 1
+            self._calls_at_zero[b] = n
+            if n % self.probe_every == 0:
+                return min(k for k in self.candidates if k > 0)
+        return cur
+
+    def observe(self, k: int, b: int, accept_lens: Sequence[int], seconds_per_iteration: float | None) -> None:
+        """accept_lens: committed tokens per verify step (num_accepted + 1) at draft length k."""
+        if seconds_per_iteration and seconds_per_iteration > 0:
+            old = self.cost.get((k, b))
+            self.cost[(k, b)] = seconds_per_iteration if old is None else (
+                (1 - self.ema) * old + self.ema * seconds_per_iteration)
+        if k == 0 or not accept_lens:
+            return
+        for i in range(k):  # position i+1: reached if i drafts were accepted
+            reached = sum(1 for a in accept_lens if a - 1 >= i)
+            if not reached:
+                break
+            rate = sum(1 for a in accept_lens if a - 1 >= i + 1) / reached
+            w = min(1.0, self.ema * reached)
+            self.rates[i] = rate if not self.observed[i] else (1 - w) * self.rates[i] + w * rate
+            self.observed[i] = True

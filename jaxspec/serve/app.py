@@ -1,0 +1,224 @@
+"""FastAPI routes: OpenAI completions and chat (plain and SSE streaming), models, health, metrics.
+
+Every error is an OpenAI-style JSON body (`protocol.APIError`); the scheduler
+thread talks to request handlers through one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxspec.serve import protocol
+from jaxspec.serve.protocol import APIError
+from jaxspec.serve.server import Server
+
+log = logging.getLogger("jaxspec.serve")
+_DISCONNECT_POLL_S = 0.5
+
+
+def _error(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) anything over `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, "invalid Content-Length header")
+        if int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+class _Stream:
+    """Events of one request's sequences (index, Event), handed over from the scheduler thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def callback(self, index: int):
+        def on_event(event):
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            except RuntimeError:  # the event loop is gone (shutdown); nobody is listening
+                pass
+
+        return on_event
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None, openapi_url=None)
+    cfg = server.cfg.serve
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        if e.status < 500:
+            server.metrics.rejected()
+        return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return _error(APIError(e.status_code, str(e.detail), type_="not_found_error" if e.status_code == 404
+                               else "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("internal error")
+        return _error(APIError(500, f"internal error: {type(e).__name__}", type_="server_error"))
+
+    def check_auth(request: Request) -> None:
+        if not cfg.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", type_="authentication_error")
+
+    def check_ready() -> None:
+        if not server.ready.is_set():
+            raise APIError(503, "the server is still compiling; retry when /health reports ready",
+                           type_="server_error")
+
+    @app.get("/health")
+    async def health():
+        if server.startup_error:
+            return JSONResponse({"status": "error", "error": server.startup_error}, status_code=500)
+        if not server.ready.is_set():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return {"status": "ok", "model": server.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxspec",
+            "max_model_len": server.max_context}]}
+
+    async def handle(request: Request, kind: str):
+        check_auth(request)
+        body = protocol.parse_json_body(await _read_body(request, cfg.max_body_bytes))
+        model = body.get("model")
+        if model is not None and model != server.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {server.model_name!r}",
+                           "model", type_="not_found_error")
+        check_ready()
+        default_max = 16 if kind == "completion" else server.cfg.sampling.max_new_tokens
+        if kind == "completion":
+            parsed = protocol.parse_completion(body, server.tokenizer, server.vocab_size, default_max)
+        else:
+            parsed = protocol.parse_chat(body, server.tokenizer, default_max)
+            room = server.max_context - len(parsed.prompts[0])
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None and room >= 1:
+                parsed = protocol.ParsedRequest(parsed.kind, parsed.prompts, dataclasses.replace(
+                    parsed.params, max_tokens=min(default_max, room)))
+        p = parsed.params
+        stream = _Stream(asyncio.get_running_loop())
+        base_seed = p.seed if p.seed is not None else server.random_seed()
+        param_name = "prompt" if kind == "completion" else "messages"
+        seqs = []
+        try:
+            for i, ids in enumerate(parsed.prompts):
+                for j in range(p.n):
+                    index = i * p.n + j
+                    seqs.append(server.submit(ids, p, base_seed + j, stream.callback(index), param_name))
+        except APIError:
+            for s in seqs:
+                server.scheduler.cancel(s)
+            raise
+        prompt_tokens = sum(len(ids) for ids in parsed.prompts) * p.n
+        rid = protocol.new_id(kind)
+        if p.stream:
+            return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, p.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "chat")
+
+    return app
+
+
+async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, stream: _Stream,
+                   prompt_tokens: int):
+    texts = [""] * len(seqs)
+    reasons: list[str | None] = [None] * len(seqs)
+    completion_tokens = 0
+    try:
+        while any(r is None for r in reasons):
+            try:
+                index, event = await asyncio.wait_for(stream.queue.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            texts[index] += event.text
+            completion_tokens += len(event.token_ids)
+            if event.finish_reason is not None:
+                reasons[index] = event.finish_reason
+    finally:
+        for s in seqs:  # no-op for finished sequences; frees pages of abandoned ones
+            if s.finish_reason is None:
+                server.scheduler.cancel(s)
+    if "abort" in reasons:
+        raise APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
+                       type_="server_error")
+    return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
+                             completion_tokens)
+
+
+async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, prompt_tokens: int, include_usage: bool):
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    open_choices = set(range(len(seqs)))
+    completion_tokens = 0
+    try:
+        if kind == "chat":
+            for i in range(len(seqs)):
+                yield sse(protocol.chunk(kind, rid, server.model_name, i, "", None, first=True))
+        while open_choices:
+            index, event = await stream.queue.get()
+            completion_tokens += len(event.token_ids)
+            if event.finish_reason == "abort":
+                yield sse(APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
+                                   type_="server_error").body())
+                return
+            if event.text or event.finish_reason is not None:
+                yield sse(protocol.chunk(kind, rid, server.model_name, index, event.text, event.finish_reason))
+            if event.finish_reason is not None:
+                open_choices.discard(index)
+        if include_usage:
+            yield sse(protocol.usage_chunk(kind, rid, server.model_name, prompt_tokens, completion_tokens))
+        yield "data: [DONE]\n\n"
+    finally:
+        # A client that went away cancels its sequences; their pages return within one device call.
+        for s in seqs:
+            if s.finish_reason is None:
+                server.scheduler.cancel(s)
+

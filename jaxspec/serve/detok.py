@@ -1,0 +1,69 @@
+"""Incremental token -> text for streaming, and stop strings across token boundaries."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_CONTEXT_TOKENS = 5  # prompt tokens kept as left context (SentencePiece drops a leading space otherwise)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list, never splitting a multi-byte character.
+
+    The delta is the decode of a short window (from `prefix` to the end) minus
+    the decode of its already-emitted part (`prefix` to `read`). While the tail
+    decodes to U+FFFD (a UTF-8 sequence cut between tokens) nothing is emitted;
+    the next token completes it. Special tokens are skipped.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, new_ids: Sequence[int], final: bool = False) -> str:
+        self.ids.extend(int(t) for t in new_ids)
+        before = self._decode(self.ids[self.prefix: self.read])
+        full = self._decode(self.ids[self.prefix:])
+        if len(full) <= len(before) or (full.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return full[len(before):]
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, holding back a tail that may begin one.
+
+    `feed(delta)` returns (text safe to send, stopped). Text that could still be
+    the start of a stop string is held until the next delta decides; `flush()`
+    releases it when the sequence ends for another reason.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if not self.stops:
+            return delta, False
+        text = self.pending + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

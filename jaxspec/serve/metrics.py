@@ -1,0 +1,103 @@
+"""Prometheus metrics (`GET /metrics`), fed by the scheduler thread.
+
+Names follow vLLM's where one exists, under the `jaxspec_` prefix. Each server
+owns its own registry, so several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # the *_created series only add noise to every scrape
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, max_accept_length: int):
+        r = self.registry = CollectorRegistry()
+        p = "jaxspec_"
+        self.requests = Counter(p + "requests", "Finished requests by status (stop, length, abort, rejected)",
+                                ["status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean gap between output tokens, per request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests prefilling or decoding", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for a batch slot or KV pages", registry=r)
+        self.pages_used = Gauge(p + "kv_pages_used", "KV cache pages in use", registry=r)
+        self.pages_free = Gauge(p + "kv_pages_free", "KV cache pages free", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Requests preempted (freed and recomputed later)", registry=r)
+        self.decode_calls = Counter(p + "decode_calls", "Device decode calls", registry=r)
+        self.accept_length = Histogram(p + "spec_accept_length", "Tokens committed per verify step (bonus included)",
+                                       buckets=tuple(range(1, max_accept_length + 1)), registry=r)
+        self.accept_rate = Gauge(p + "spec_accept_rate", "Accepted draft tokens / proposed draft tokens", registry=r)
+        self.num_draft_tokens = Gauge(p + "spec_num_draft_tokens", "Draft tokens per verify step in the last call",
+                                      registry=r)
+        self.num_steps = Gauge(p + "spec_num_steps", "Current adaptive draft length per batch-size bucket",
+                               ["batch_bucket"], registry=r)
+        self.verify_calls = Counter(p + "spec_verify_calls", "Verify steps (one per row per iteration)", registry=r)
+        self.position_acceptance = Gauge(p + "spec_position_acceptance",
+                                         "Fraction of verify steps accepting draft position i (1-based)",
+                                         ["position"], registry=r)
+        self._accepted = 0
+        self._proposed = 0
+        self._reached = [0] * max_accept_length  # verify steps drafting position i+1
+        self._passed = [0] * max_accept_length  # ... and accepting it
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- scheduler hooks ---------------------------------------------------------------
+
+    def rejected(self) -> None:
+        self.requests.labels("rejected").inc()
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, seq) -> None:
+        self.ttft.observe(seq.first_token_time - seq.arrival)
+
+    def tokens_out(self, seq, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
+
+    def finished(self, seq, reason: str) -> None:
+        self.requests.labels(reason).inc()
+        if seq.first_token_time is not None and seq.num_generated > 1:
+            self.tpot.observe((time.perf_counter() - seq.first_token_time) / (seq.num_generated - 1))
+
+    def decode_call(self, k: int, b: int, accept_lens, drafted: int, adaptive) -> None:
+        self.decode_calls.inc()
+        self.num_draft_tokens.set(drafted)
+        if adaptive is not None:
+            for bucket, steps in adaptive.current.items():
+                self.num_steps.labels(str(bucket)).set(steps)
+        else:
+            self.num_steps.labels(str(b)).set(k)
+        self.verify_calls.inc(len(accept_lens))
+        for a in accept_lens:
+            self.accept_length.observe(a)
+            for i in range(drafted):
+                self._reached[i] += 1
+                self._passed[i] += a - 1 > i
+        self._accepted += sum(a - 1 for a in accept_lens)
+        self._proposed += drafted * len(accept_lens)
+        if self._proposed:
+            self.accept_rate.set(self._accepted / self._proposed)
+        for i in range(drafted):
+            if self._reached[i]:
+                self.position_acceptance.labels(str(i + 1)).set(self._passed[i] / self._reached[i])
+
+    def update_state(self, sched) -> None:
+        self.running.set(sched.num_active)
+        self.waiting.set(len(sched.waiting))
+        self.pages_used.set(sched.allocator.num_used)
+        self.pages_free.set(sched.allocator.num_free)

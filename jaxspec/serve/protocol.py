@@ -1,0 +1,248 @@
+"""OpenAI request parsing and validation, and the response/chunk shapes.
+
+Bodies are parsed by hand rather than by a pydantic model so every error
+names its field the way OpenAI does (`param`), unknown fields are ignored,
+and a `true` is never accepted as the integer 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+from typing import Any
+
+from jaxspec.prompts import PromptError, check_messages
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An OpenAI-style error response; `param` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenParams:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    n: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    kind: str  # "completion" or "chat"
+    prompts: list[list[int]]  # token ids, one entry per prompt (chat: exactly one)
+    params: GenParams
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _get(body: dict, key: str, default, check, what: str):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not check(v):
+        raise bad(key, f"must be {what}, got {json.dumps(v)[:60]}")
+    return v
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif not _is_int(max_tokens) or max_tokens < 1:
+        raise bad(key, f"must be an integer >= 1, got {json.dumps(max_tokens)[:60]}")
+    temperature = float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
+    top_p = float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
+    top_k = _get(body, "top_k", 0, lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0 = off)")
+    seed = _get(body, "seed", None, lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
+    n = _get(body, "n", 1, lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
+    stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "a boolean")
+    ignore_eos = _get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "a boolean")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        stop = tuple(stop)
+    else:
+        raise bad("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    if any(not s for s in stop):
+        raise bad("stop", "stop strings must be non-empty")
+    opts = _get(body, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
+    include_usage = opts.get("include_usage", True)
+    if not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage", "must be a boolean")
+    for key in ("logprobs", "top_logprobs", "echo", "best_of"):
+        v = body.get(key)
+        if v not in (None, False, 0) and not (key == "best_of" and v == 1):
+            raise bad(key, "is not supported by this server")
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (not _is_num(v) or v != 0):
+            raise bad(key, "only 0 is supported by this server")
+    return GenParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed,
+                     n=n, stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
+
+
+def _token_list(v, vocab: int, param: str) -> list[int]:
+    if not v or not all(_is_int(t) for t in v):
+        raise bad(param, "a token list must be a non-empty list of integers")
+    bad_ids = [t for t in v if not 0 <= t < vocab]
+    if bad_ids:
+        raise bad(param, f"token id {bad_ids[0]} is outside the vocabulary [0, {vocab})")
+    return list(v)
+
+
+def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int) -> ParsedRequest:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("prompt", "is required")
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        items = prompt
+    else:
+        raise bad("prompt", "must be a string, a list of strings, a token list or a list of token lists")
+    if len(items) > MAX_N:
+        raise bad("prompt", f"at most {MAX_N} prompts per request")
+    prompts = []
+    for p in items:
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", "must not be empty")
+            if tokenizer is None:
+                raise bad("prompt", "the model has no tokenizer; send token ids")
+            ids = tokenizer.encode(p, add_special_tokens=False)
+            if not ids:
+                raise bad("prompt", "tokenizes to no tokens")
+            prompts.append(ids)
+        else:
+            prompts.append(_token_list(p, vocab, "prompt"))
+    params = parse_gen_params(body, default_max_tokens)
+    if len(prompts) * params.n > MAX_N:
+        raise bad("n", f"prompts x n must be at most {MAX_N}")
+    return ParsedRequest("completion", prompts, params)
+
+
+def _flatten_content(messages: Any) -> Any:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string; "developer" -> "system"."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return messages  # check_messages names it
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
+def parse_chat(body: dict, tokenizer, default_max_tokens: int) -> ParsedRequest:
+    if "messages" not in body:
+        raise bad("messages", "is required")
+    messages = _flatten_content(body["messages"])
+    try:
+        check_messages(messages, "messages")
+    except PromptError as e:
+        raise bad("messages", str(e).removeprefix("messages: ")) from None
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "the model has no chat template; use /v1/completions", "messages")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return ParsedRequest("chat", [list(ids)], parse_gen_params(body, default_max_tokens))
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
+             completion_tokens: int) -> dict:
+    """choices: (text, finish_reason) in index order."""
+    if kind == "chat":
+        body = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(choices)]
+        obj = "chat.completion"
+    else:
+        body = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(choices)]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk(kind: str, rid: str, model: str, index: int, text: str, finish_reason: str | None,
+          first: bool = False) -> dict:
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

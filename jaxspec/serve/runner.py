@@ -1,0 +1,294 @@
+"""Device side of the server: chunked prefill and bounded decode calls, AOT-compiled per bucket.
+
+The scheduler owns every sequence's tokens on the host and rebuilds the small
+per-call arrays (page table, history, lengths, sampling) from them, so a
+sequence can join or leave the batch between any two device calls and the
+batch can move between buckets freely. Only the paged caches live on device
+across calls; they are donated to every call.
+
+Two executables per bucket:
+
+* `prefill(b, chunk)`: one chunk of up to `chunk` prompt tokens per row at
+  cache slot `q_start` (target and draft model), and a sampled token at the
+  chunk's end (used when the chunk finishes the prompt);
+* `decode(k, b, ctx)`: up to `steps_per_call` draft -> verify -> commit
+  iterations inside one `lax.while_loop` (the `SpecState` carry of
+  `jaxspec.spec.loop`), with draft length k (k = 0: plain decoding, one
+  token per iteration). Adaptive speculation picks k per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache.paged import KVCache
+from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
+from jaxspec.models.llama import forward
+from jaxspec.spec.loop import SpecPlan, SpecState, spec_iteration
+from jaxspec.spec.sampling import sample_token
+from jaxspec.spec.standalone import DraftState, StandaloneDrafter
+
+
+@dataclasses.dataclass
+class RowInput:
+    """One sequence's slice of a decode call, built by the scheduler."""
+
+    tokens: Sequence[int]  # prompt + committed tokens; the last one's K/V is not cached
+    prompt_len: int  # the original prompt (max_new counts from here)
+    max_new: int
+    page_row: np.ndarray  # [max_pages] int32
+    draft_len: int  # tokens whose draft-model K/V is cached
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_ids: Sequence[int]
+
+
+@dataclasses.dataclass
+class RowOutput:
+    tokens: list[int]  # newly committed tokens, cut at a stop id or max_new
+    done: bool
+    draft_len: int
+    accept_lens: list[int]  # committed tokens per verify step in this call
+
+
+def plan_for_steps(base: SpecPlan, k: int) -> SpecPlan:
+    """The chain plan drafting k tokens per iteration (k = 0: no speculation)."""
+    return dataclasses.replace(base, num_draft_tokens=k + 1, topk=1, num_steps=max(k, 1))
+
+
+def make_chunk_prefill_fn(cfg, draft_cfg):
+    def prefill_fn(params, draft_params, cache, draft_cache, tokens, q_start, chunk_lens, page_table,
+                   sampling: SamplingParams):
+        # tokens [B, L] int32; q_start [B] first slot of the chunk; chunk_lens [B] (0 = padding row);
+        # page_table [B, max_pages]
+        positions = q_start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        kv_len = q_start + chunk_lens
+        last = jnp.maximum(chunk_lens - 1, 0)[:, None]
+        out = forward(params, cfg, tokens, positions, cache, page_table, q_start=q_start, kv_len=kv_len,
+                      logits_index=last)
+        # Seeded by absolute position, like Engine's prefill: same request, same first token.
+        first = sample_token(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
+                             sampling.seed, kv_len)
+        if draft_cfg is not None:
+            draft_cache = forward(draft_params, draft_cfg, tokens, positions, draft_cache, page_table,
+                                  q_start=q_start, kv_len=kv_len, logits_index=last).cache
+        return out.cache, draft_cache, first
+
+    return prefill_fn
+
+
+def make_bounded_decode_fn(plan: SpecPlan, cfg, drafter, max_iters: int):
+    def decode_fn(params, draft_params, state: SpecState) -> SpecState:
+        def cond(carry):
+            it, s = carry
+            return (it < max_iters) & ~jnp.all(s.done)
+
+        def body(carry):
+            it, s = carry
+            return it + 1, spec_iteration(plan, cfg, drafter, params, draft_params, s)
+
+        return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+    return decode_fn
+
+
+class ModelRunner:
+    """Compiled prefill/decode executables over an Engine's params and caches."""
+
+    def __init__(self, engine: Engine, *, steps_candidates: Sequence[int], steps_per_call: int,
+                 context_buckets: Sequence[int], prefill_chunk: int, max_prefill_batch: int):
+        if engine.spec_plan is None:
+            raise ValueError("ModelRunner needs an engine built with a spec plan (k = 0 is plain decoding)")
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.page_size = engine.page_size
+        self.steps_per_call = steps_per_call
+        self.candidates = tuple(sorted(set(steps_candidates)))
+        base = engine.spec_plan
+        self.base_plan = base
+        # Fixed (non-adaptive) tree plans keep their own shape; chains go through plan_for_steps.
+        fixed_tree = len(self.candidates) == 1 and not base.chain
+        self.plans = {k: (base if fixed_tree else plan_for_steps(base, k)) for k in self.candidates}
+        self.max_depth = max(p.max_depth for p in self.plans.values())
+        self.reserve = max(p.num_draft_tokens for p in self.plans.values())
+        ecfg = engine.ecfg
+        self.batch_buckets = tuple(b for b in sorted(ecfg.batch_buckets) if b < ecfg.max_batch_size)
+        self.batch_buckets += (ecfg.max_batch_size,)
+        self.prefill_batches = tuple(b for b in self.batch_buckets if b <= max_prefill_batch) or (1,)
+        self.chunk_buckets = tuple(c for c in sorted(ecfg.length_buckets) if c < prefill_chunk) + (prefill_chunk,)
+        self.prefill_chunk = prefill_chunk
+        ctx = [c for c in sorted(context_buckets) if c < engine.max_context] + [engine.max_context]
+        self.context_buckets = tuple(ctx)
+        draft_cfg = engine.drafter.cfg if engine.drafter is not None else None
+        self.draft_cfg = draft_cfg
+        self._prefill = jax.jit(make_chunk_prefill_fn(self.cfg, draft_cfg), donate_argnums=(2, 3))
+        self._decode = {}
+        for k, plan in self.plans.items():
+            drafter = None
+            if draft_cfg is not None:
+                drafter = StandaloneDrafter(draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
+                                            sample_drafts=plan.verify == "rejection",
+                                            catch_up_width=self.max_depth + 1)
+            fn = make_bounded_decode_fn(plan, self.cfg, drafter, steps_per_call)
+            self._decode[k] = jax.jit(fn, donate_argnums=(2,))
+        self._compiled: dict[tuple, object] = {}
+        self.num_compiles = 0
+        self.decode_seconds: dict[tuple[int, int], float] = {}  # (k, b) -> warm-up seconds per iteration
+
+    # ---- buckets -----------------------------------------------------------------
+
+    @property
+    def max_pages(self) -> int:
+        return -(-self.context_buckets[-1] // self.page_size)
+
+    def context_bucket(self, num_tokens: int) -> int:
+        return bucket_for(num_tokens, self.context_buckets, "context")
+
+    def all_keys(self) -> list[tuple]:
+        keys = [("prefill", b, c) for b in self.prefill_batches for c in self.chunk_buckets]
+        keys += [("decode", k, b, ctx) for k in self.candidates for b in self.batch_buckets
+                 for ctx in self.context_buckets]
+        return keys
+
+    # ---- compilation -------------------------------------------------------------
+
+    def _sampling_struct(self, b: int) -> SamplingParams:
+        i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+        f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
+        return SamplingParams(temperature=f32, top_k=i32, top_p=f32, seed=jax.ShapeDtypeStruct((b,), jnp.uint32),
+                              stop_ids=jax.ShapeDtypeStruct((b, MAX_STOP_IDS), jnp.int32), max_new=i32)
+
+    def _state_struct(self, b: int, ctx: int) -> SpecState:
+        e = self.engine
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        draft = None
+        if e.draft_cache is not None:
+            draft = DraftState(cache=e.draft_cache, draft_len=i32(b))
+        return SpecState(
+            cache=e.cache, draft=draft, page_table=i32(b, -(-ctx // self.page_size)), history=i32(b, ctx),
+            hist_len=i32(b), prompt_lens=i32(b), done=jax.ShapeDtypeStruct((b,), jnp.bool_), num_verify=i32(b),
+            accept_lens=i32(b, self.steps_per_call), sampling=self._sampling_struct(b), corpus=e.corpus,
+        )
+
+    def compile(self, keys: Sequence[tuple], progress: bool = False) -> None:
+        from tqdm.auto import tqdm
+
+        todo = [k for k in keys if k not in self._compiled]
+        e = self.engine
+        for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
+            if key[0] == "prefill":
+                _, b, c = key
+                i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+                lowered = self._prefill.lower(e.params, e.draft_params, e.cache, e.draft_cache, i32(b, c), i32(b),
+                                              i32(b), i32(b, self.max_pages), self._sampling_struct(b))
+            else:
+                _, k, b, ctx = key
+                lowered = self._decode[k].lower(e.params, e.draft_params, self._state_struct(b, ctx))
+            self._compiled[key] = lowered.compile()
+            self.num_compiles += 1
+
+    def calibrate(self, ctx: int | None = None) -> None:
+        """Time one full decode call per (k, batch bucket) on dummy rows: the
+        adaptive policy's prior for draft lengths it has not tried yet."""
+        ctx = ctx or self.context_buckets[0]
+        for k in self.candidates:
+            for b in self.batch_buckets:
+                rows = [RowInput(tokens=[1] * 8, prompt_len=8, max_new=10**6, page_row=np.zeros(self.max_pages,
+                                 np.int32), draft_len=7, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())
+                        for _ in range(b)]
+                times = []
+                for _ in range(3):  # the first call warms up; the median of the rest
+                    t0 = time.perf_counter()
+                    _, iters = self.decode(k, rows, ctx)
+                    times.append((time.perf_counter() - t0) / max(iters, 1))
+                self.decode_seconds[(k, b)] = float(np.median(times[1:]))
+
+    # ---- calls -------------------------------------------------------------------
+
+    @staticmethod
+    def _sampling(rows: Sequence, b: int) -> SamplingParams:
+        temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
+        topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
+        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        for i, r in enumerate(rows):
+            temp[i], topp[i], topk[i] = r.temperature, r.top_p, r.top_k
+            seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), min(r.max_new, 2**31 - 1)
+            stop[i, : len(r.stop_ids)] = list(r.stop_ids)[:MAX_STOP_IDS]
+        return SamplingParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(topk), top_p=jnp.asarray(topp),
+                              seed=jnp.asarray(seed), stop_ids=jnp.asarray(stop), max_new=jnp.asarray(max_new))
+
+    def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
+        """chunks: (row, q_start, chunk_len) each; returns the token sampled at each chunk's end."""
+        e = self.engine
+        b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
+        c = bucket_for(max(n for _, _, n in chunks), self.chunk_buckets, "prefill chunk")
+        tokens = np.zeros((b, c), np.int32)
+        q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        table = np.zeros((b, self.max_pages), np.int32)
+        for i, (row, start, n) in enumerate(chunks):
+            tokens[i, :n] = row.tokens[start: start + n]
+            q_start[i], lens[i] = start, n
+            table[i, : len(row.page_row)] = row.page_row
+        self.compile([("prefill", b, c)])
+        try:
+            e.cache, e.draft_cache, first = self._compiled[("prefill", b, c)](
+                e.params, e.draft_params, e.cache, e.draft_cache, jnp.asarray(tokens), jnp.asarray(q_start),
+                jnp.asarray(lens), jnp.asarray(table), self._sampling([r for r, _, _ in chunks], b),
+            )
+            return np.asarray(jax.device_get(first))[: len(chunks)].tolist()
+        finally:
+            e._restore_donated_caches()
+
+    def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
+        """Up to steps_per_call iterations with draft length k; returns ([RowOutput], iterations run)."""
+        e = self.engine
+        b = bucket_for(len(rows), self.batch_buckets, "batch size")
+        maxp = -(-ctx // self.page_size)
+        history = np.zeros((b, ctx), np.int32)
+        hist_len, prompt_lens = np.ones((b,), np.int32), np.zeros((b,), np.int32)
+        draft_len = np.zeros((b,), np.int32)
+        table = np.zeros((b, maxp), np.int32)
+        done = np.ones((b,), bool)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            history[i, :n] = r.tokens
+            hist_len[i], prompt_lens[i], draft_len[i] = n, r.prompt_len, r.draft_len
+            m = min(len(r.page_row), maxp)
+            table[i, :m] = r.page_row[:m]
+            done[i] = False
+        draft = None
+        if e.draft_cache is not None:
+            draft = DraftState(cache=e.draft_cache, draft_len=jnp.asarray(draft_len))
+        state = SpecState(
+            cache=e.cache, draft=draft, page_table=jnp.asarray(table), history=jnp.asarray(history),
+            hist_len=jnp.asarray(hist_len), prompt_lens=jnp.asarray(prompt_lens), done=jnp.asarray(done),
+            num_verify=jnp.zeros((b,), jnp.int32), accept_lens=jnp.zeros((b, self.steps_per_call), jnp.int32),
+            sampling=self._sampling(rows, b), corpus=e.corpus,
+        )
+        key = ("decode", k, b, ctx)
+        self.compile([key])
+        try:
+            state = self._compiled[key](e.params, e.draft_params, state)
+            e.cache = state.cache
+            if state.draft is not None:
+                e.draft_cache = state.draft.cache
+            hist, new_len, done_out, acc, nv, dlen = jax.device_get(
+                (state.history, state.hist_len, state.done, state.accept_lens, state.num_verify,
+                 state.draft.draft_len if state.draft is not None else state.hist_len)
+            )
+        finally:
+            e._restore_donated_caches()
+        outs = []
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
+                                  draft_len=int(dlen[i]), accept_lens=acc[i, : nv[i]].tolist()))
+        return outs, int(nv[: len(rows)].max(initial=0))

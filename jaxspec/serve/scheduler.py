@@ -1,0 +1,328 @@
+"""Continuous batching: sequences join and leave the running batch between device calls.
+
+One scheduler step:
+
+1. take new sequences and cancellations from the inbox; free cancelled ones;
+2. admit waiting sequences (FIFO) while a batch slot and KV pages are free;
+3. one chunked-prefill call for sequences still prefilling;
+4. one decode call of up to `steps_per_call` speculative iterations for the
+   running batch, after giving each row pages for the call (preempting the
+   newest sequence when the pool is dry; it is recomputed later).
+
+A new request therefore waits at most one decode call before its prefill, and
+a cancelled one returns its pages within one call. The scheduler runs on its
+own thread (`start`); `submit` and `cancel` are thread-safe, and each
+sequence's `on_event` is called on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from jaxspec.cache.paged import OutOfPagesError
+from jaxspec.serve.adaptive import AdaptiveSteps
+from jaxspec.serve.detok import IncrementalDetokenizer, StopStringMatcher
+from jaxspec.serve.runner import ModelRunner, RowInput
+
+log = logging.getLogger("jaxspec.serve")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Event:
+    """What one device call produced for a sequence (tokens committed together go out together)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None (more to come)
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    prompt_ids: list[int]
+    params: SeqParams
+    on_event: Callable[[Event], None]
+    seq_id: int = dataclasses.field(default_factory=itertools.count().__next__)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0  # target K/V slots filled so far
+    draft_len: int = 0
+    status: Status = Status.WAITING
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    cancelled: bool = False
+    num_preemptions: int = 0
+    detok: IncrementalDetokenizer | None = None
+    stopper: StopStringMatcher | None = None
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to prefill: the whole prompt, or, when recomputing after a
+        preemption, everything but the newest token (the decode root)."""
+        return len(self.tokens) - (1 if self.num_generated else 0)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
+                 metrics=None):
+        self.runner = runner
+        self.engine = runner.engine
+        self.allocator = runner.engine.allocator
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.adaptive = adaptive
+        self.metrics = metrics
+        self.fixed_k = max(runner.candidates)
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.prefilling: list[Seq] = []
+        self.running: list[Seq] = []
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_decode_calls = 0
+        self.last_error: str | None = None
+
+    # ---- thread-safe API -----------------------------------------------------------
+
+    def check(self, prompt_len: int, params: SeqParams) -> str | None:
+        """Why this request can never run (None if it can): the context or the whole cache."""
+        total = prompt_len + params.max_new_tokens + self.runner.reserve
+        if total > self.engine.max_context:
+            return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} exceeds the context of "
+                    f"{self.engine.max_context - self.runner.reserve} tokens")
+        if self.allocator.pages_for(total) > self.allocator.total:
+            return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} needs "
+                    f"{self.allocator.pages_for(total)} KV pages; the whole cache has {self.allocator.total}")
+        return None
+
+    def submit(self, seq: Seq) -> None:
+        self._inbox.put(("add", seq))
+        self._wake.set()
+
+    def cancel(self, seq: Seq) -> None:
+        self._inbox.put(("cancel", seq))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="jaxspec-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not (self.waiting or self.prefilling or self.running) and self._inbox.empty():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as e:  # a failed device call must not take the server down
+                log.exception("scheduler step failed")
+                self.last_error = f"{type(e).__name__}: {e}"
+                for seq in self.waiting + collections.deque(self.prefilling + self.running):
+                    self._finish(seq, "abort")
+                self.waiting.clear()
+
+    # ---- one step -------------------------------------------------------------------
+
+    def step(self) -> None:
+        self._drain_inbox()
+        self._admit()
+        if self.prefilling:
+            self._prefill_step()
+        if self.running:
+            self._decode_step()
+        if self.metrics is not None:
+            self.metrics.update_state(self)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                if seq.cancelled:
+                    continue
+                if self.tokenizer is not None:
+                    seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+                seq.stopper = StopStringMatcher(seq.params.stop_strings)
+                self.waiting.append(seq)
+            elif op == "cancel" and seq.status != Status.FINISHED:
+                seq.cancelled = True
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                self._finish(seq, "abort")
+
+    def _lookahead(self, seq: Seq) -> int:
+        """Cache slots `seq` may touch during the next decode call (scratch of the last tree included)."""
+        r = self.runner
+        cap = len(seq.prompt_ids) + seq.params.max_new_tokens + r.reserve
+        return min(max(len(seq.tokens), 1) - 1 + r.steps_per_call * (r.max_depth + 1) + r.reserve, cap)
+
+    def _admit(self) -> None:
+        while self.waiting and self.num_active < self.max_batch_size:
+            seq = self.waiting[0]
+            need = max(self._lookahead(seq), seq.prefill_target + 1)
+            if not self.allocator.can_allocate(need):
+                break
+            self.allocator.allocate(seq.seq_id, need)
+            self.waiting.popleft()
+            seq.status, seq.num_cached, seq.draft_len = Status.PREFILLING, 0, 0
+            self.prefilling.append(seq)
+
+    def _row(self, seq: Seq) -> RowInput:
+        p = seq.params
+        return RowInput(
+            tokens=seq.tokens, prompt_len=len(seq.prompt_ids), max_new=p.max_new_tokens,
+            page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), draft_len=seq.draft_len,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=p.stop_ids,
+        )
+
+    def _prefill_step(self) -> None:
+        r = self.runner
+        batch = self.prefilling[: max(r.prefill_batches)]
+        chunks = [(self._row(s), s.num_cached, min(r.prefill_chunk, s.prefill_target - s.num_cached)) for s in batch]
+        first = r.prefill(chunks)
+        for seq, (_, _, n), tok in zip(batch, chunks, first):
+            seq.num_cached += n
+            seq.draft_len = seq.num_cached
+            if seq.num_cached < seq.prefill_target:
+                continue
+            self.prefilling.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            if not seq.num_generated:  # fresh prompt: the sampled token is the first output
+                seq.first_token_time = time.perf_counter()
+                if self.metrics is not None:
+                    self.metrics.first_token(seq)
+                stopped = tok in seq.params.stop_ids
+                self._emit(seq, [tok], stopped or seq.params.max_new_tokens <= 1)
+
+    def _ensure_pages(self) -> None:
+        """Give every running row pages for the next call, preempting the newest on shortage."""
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            while seq.status == Status.RUNNING:
+                try:
+                    self.allocator.allocate(seq.seq_id, self._lookahead(seq))
+                    break
+                except OutOfPagesError:
+                    victims = [s for s in self.running + self.prefilling if s is not seq]
+                    victim = max(victims, key=lambda s: s.arrival) if victims else None
+                    if victim is None or victim.arrival < seq.arrival:
+                        victim = seq  # the newest gives way
+                    self._preempt(victim)
+
+    def _preempt(self, seq: Seq) -> None:
+        self.allocator.free(seq.seq_id)
+        for group in (self.running, self.prefilling):
+            if seq in group:
+                group.remove(seq)
+        seq.status, seq.num_cached, seq.draft_len = Status.WAITING, 0, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        if self.metrics is not None:
+            self.metrics.preempted()
+        log.info("preempted request %d (%d tokens) for KV pages", seq.seq_id, len(seq.tokens))
+
+    def _decode_step(self) -> None:
+        r = self.runner
+        self._ensure_pages()
+        if not self.running:
+            return
+        batch = list(self.running)
+        b = next(x for x in r.batch_buckets if x >= len(batch))
+        k = self.adaptive.choose(b) if self.adaptive is not None else self.fixed_k
+        ctx = r.context_bucket(max(self._lookahead(s) for s in batch))
+        t0 = time.perf_counter()
+        outs, iters = r.decode(k, [self._row(s) for s in batch], ctx)
+        seconds = time.perf_counter() - t0
+        self.num_decode_calls += 1
+        accept = [a for o in outs for a in o.accept_lens]
+        if self.adaptive is not None:
+            self.adaptive.observe(k, b, accept, seconds / iters if iters else None)
+        if self.metrics is not None:
+            self.metrics.decode_call(k, b, accept, max(r.plans[k].num_draft_tokens - 1, 0), self.adaptive)
+        for seq, out in zip(batch, outs):
+            seq.draft_len = out.draft_len
+            seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
+            self._emit(seq, out.tokens, out.done)
+
+    # ---- output -----------------------------------------------------------------------
+
+    def _emit(self, seq: Seq, new: list[int], done: bool) -> None:
+        seq.tokens.extend(new)
+        text = seq.detok.add(new, final=done) if seq.detok is not None else ""
+        text, hit_stop_string = seq.stopper.feed(text)
+        if done or hit_stop_string:
+            if not hit_stop_string:
+                text += seq.stopper.flush()
+            stopped = hit_stop_string or (bool(seq.tokens) and seq.tokens[-1] in seq.params.stop_ids
+                                          and seq.num_generated > 0)
+            if self.metrics is not None:
+                self.metrics.tokens_out(seq, len(new))
+            self._finish(seq, "stop" if stopped else "length", Event(text, list(new)))
+            return
+        if self.metrics is not None:
+            self.metrics.tokens_out(seq, len(new))
+        if new:
+            seq.on_event(Event(text, list(new)))
+
+    def _finish(self, seq: Seq, reason: str, last: Event | None = None) -> None:
+        if seq.status == Status.FINISHED:
+            return
+        self.allocator.free(seq.seq_id)
+        for group in (self.running, self.prefilling):
+            if seq in group:
+                group.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if self.metrics is not None:
+            self.metrics.finished(seq, reason)
+        event = last or Event("", [])
+        event.finish_reason = reason
+        try:
+            seq.on_event(event)
+        except Exception:  # a broken consumer must not stop the scheduler
+            log.exception("event consumer failed for request %d", seq.seq_id)
