@@ -18,6 +18,8 @@ padding positions still see slot 0 at least, so every row stays finite.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -125,12 +127,14 @@ def attention_with_block_ref(
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask=None, *, scale):
-    """Dispatch: compiled Pallas kernel on GPU/TPU, jnp reference on CPU."""
+    """Dispatch: compiled Pallas kernel on GPU/TPU, jnp reference on CPU.
+
+    Under a ("data", "model") mesh in context (`sharding.mesh_context`) the kernel
+    runs per shard through shard_map; GSPMD partitions the reference by itself."""
     if kernels.use_kernel():
+        from jaxspec.models.sharding import shard_kernel_attention
         from jaxspec.pallas.paged_attention import paged_attention_pallas
 
-        return paged_attention_pallas(
-            q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask,
-            scale=scale, interpret=kernels.interpret_mode(),
-        )
+        kernel = functools.partial(paged_attention_pallas, scale=scale, interpret=kernels.interpret_mode())
+        return shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
     return paged_attention_ref(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale)

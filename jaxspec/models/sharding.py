@@ -1,0 +1,295 @@
+"""Megatron-style sharding over a ("data", "model") device mesh.
+
+* "model" (tensor parallel): q/k/v/gate/up are split by output column, o/down
+  by input row, so each layer needs one all-reduce after attention and one
+  after the MLP; the LM head is split over the vocabulary. The KV cache is split
+  over KV heads, which keeps each head's cache beside the q heads that read it.
+* "data": batch rows (and everything else with a leading batch axis) are split
+  over it when the batch divides, else replicated.
+
+Known limit: the page axis of the cache is replicated over "data". Splitting it
+would only save memory if the allocator handed each batch row pages from its own
+data shard and attention gathered locally (shard_map); the host allocator does
+not do that, so every data shard holds (and writes) the whole cache.
+
+Every helper is the identity when `mesh` is None, so single-device code paths
+call them unconditionally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxspec.cache.paged import KVCache
+from jaxspec.models.config import ModelConfig
+
+AXES = ("data", "model")
+# Runtime layout ([in, out] matrices): which axis "model" splits.
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # out dim; each shard owns whole heads / MLP columns
+ROW = ("wo", "w_down")  # in dim; the partial sums are all-reduced
+BIAS = ("bq", "bk", "bv")  # follow their column-split matrix
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built or cannot shard this model; the message names the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    data: int
+    model: int
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshShape":
+        """"4x2" -> MeshShape(data=4, model=2)."""
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+        if not m:
+            raise MeshError(f"mesh {text!r}: expected DATAxMODEL, e.g. 4x2")
+        data, model = int(m.group(1)), int(m.group(2))
+        if data < 1 or model < 1:
+            raise MeshError(f"mesh {text!r}: both axis sizes must be >= 1")
+        return cls(data, model)
+
+    @property
+    def size(self) -> int:
+        return self.data * self.model
+
+    def __str__(self) -> str:
+        return f"{self.data}x{self.model}"
+
+
+def make_mesh(shape: MeshShape | str, devices=None) -> Mesh:
+    """A ("data", "model") mesh over all of `devices` (default: every global device)."""
+    shape = MeshShape.parse(shape) if isinstance(shape, str) else shape
+    devices = list(jax.devices() if devices is None else devices)
+    if shape.size != len(devices):
+        raise MeshError(
+            f"mesh {shape} needs {shape.size} devices (data {shape.data} x model {shape.model}), "
+            f"but {len(devices)} are available"
+        )
+    # Auto axes: GSPMD propagates shardings (jax.make_mesh defaults to Explicit).
+    return jax.make_mesh((shape.data, shape.model), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def _shape_of(mesh_or_shape) -> MeshShape:
+    if isinstance(mesh_or_shape, MeshShape):
+        return mesh_or_shape
+    return MeshShape(mesh_or_shape.shape["data"], mesh_or_shape.shape["model"])
+
+
+def validate_for_model(shape: MeshShape | Mesh, cfg: ModelConfig, what: str = "model") -> None:
+    """Tensor parallelism splits whole heads and MLP columns: each must divide by TP."""
+    shape = _shape_of(shape)
+    for name in ("num_kv_heads", "num_heads", "intermediate_size"):
+        n = getattr(cfg, name)
+        if n % shape.model:
+            raise MeshError(
+                f"mesh {shape}: the {what}'s {name} = {n} is not divisible by the model "
+                f"(tensor-parallel) axis size {shape.model}"
+            )
+
+
+# ---- placement ---------------------------------------------------------------
+
+
+def _put(x, sharding: NamedSharding) -> jax.Array:
+    """device_put that also works when the mesh spans other processes (each passes the same value)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _layer_spec(name: str, ndim: int) -> P:
+    lead = (None,) * (ndim - 2)  # [L] when layers are stacked
+    if name in COLUMN:
+        return P(*lead, None, "model")
+    if name in ROW:
+        return P(*lead, "model", None)
+    if name in BIAS:
+        return P(*(None,) * (ndim - 1), "model")
+    return P()  # norms (q/k norms act per head_dim: replicated)
+
+
+def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """NamedSharding per leaf of runtime params (stacked [L, ...] or a per-layer list)."""
+    ns = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    layer = lambda lp: {k: ns(_layer_spec(k, v.ndim)) for k, v in lp.items()}  # noqa: E731
+    layers = params["layers"]
+    head_split = cfg.vocab_size % mesh.shape["model"] == 0
+    out = {k: ns(P()) for k in params if k != "layers"}
+    out["head"] = ns(P(None, "model") if head_split else P())  # head [D, V]: logits split over vocab
+    out["layers"] = [layer(lp) for lp in layers] if isinstance(layers, (list, tuple)) else layer(layers)
+    return out
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
+    """Place runtime-layout params (`prepare_params`) on the mesh."""
+    if mesh is None:
+        return params
+    validate_for_model(mesh, cfg)
+    return jax.tree.map(_put, params, param_shardings(params, cfg, mesh))
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    # k/v [L, P, page_size, kvh, hd]: heads over "model"; pages replicated (see module doc).
+    return NamedSharding(mesh, P(None, None, None, "model", None))
+
+
+def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
+    if mesh is None:
+        return cache
+    s = cache_sharding(mesh)
+    return KVCache(k=_put(cache.k, s), v=_put(cache.v, s))
+
+
+def zeros_cache(shape: tuple[int, ...], dtype, mesh: Mesh | None) -> KVCache:
+    """A zero cache created already sharded: it need not fit on one device first."""
+    device = None if mesh is None else cache_sharding(mesh)
+    return KVCache(k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device))
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Axis 0 over "data" when it divides, else replicated (batch 1, the [1, K] corpus)."""
+    d = mesh.shape["data"]
+    split = len(shape) > 0 and d > 1 and shape[0] % d == 0
+    return NamedSharding(mesh, P("data") if split else P())
+
+
+def shard_batch(tree, mesh: Mesh | None):
+    """Host or device arrays with a leading batch axis -> device arrays laid out by `batch_sharding`."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, tree)
+    return jax.tree.map(lambda x: _put(x, batch_sharding(mesh, np.shape(x))), tree)
+
+
+def state_shardings(tree, mesh: Mesh):
+    """Shardings for a loop state pytree: KVCache leaves by `cache_sharding`, the rest by `batch_sharding`."""
+    def one(x):
+        if isinstance(x, KVCache):
+            return KVCache(k=cache_sharding(mesh), v=cache_sharding(mesh))
+        return batch_sharding(mesh, x.shape)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def abstract_state(tree, mesh: Mesh | None):
+    """ShapeDtypeStructs (e.g. from eval_shape) with the shardings `constrain_state` gives, for AOT lowering."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        state_shardings(tree, mesh))
+
+
+def constrain_state(tree, mesh: Mesh | None):
+    """Inside jit: pin a state pytree to `state_shardings`, so an executable's outputs
+    have exactly the shardings its (or the next executable's) inputs were compiled for."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
+
+
+def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
+    """Inside jit: return a donated cache with the sharding it came in with."""
+    return constrain_state(cache, mesh)
+
+
+def mesh_context(mesh: Mesh | None):
+    """Trace under this so kernels find the mesh (`shard_kernel_attention`); no-op for None."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def to_host(tree):
+    """device_get that also gathers arrays spread over other processes."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
+
+
+# ---- kernels -----------------------------------------------------------------
+
+
+def shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask):
+    """Run a paged-attention kernel per shard when a ("data", "model") mesh is in context.
+
+    A Pallas kernel is opaque to GSPMD, so it gets per-shard shapes through
+    shard_map: batch rows over "data" (when they divide), heads over "model"
+    (whole KV groups stay together because q and kv heads split alike). Without
+    such a mesh (or inside a manual region) the kernel is called as is.
+
+    q [B, T, H, hd]; k_pages, v_pages [P, page_size, kvh, hd]; page_table [B, max_pages];
+    q_start, kv_len [B]; tree_mask [B, T, T] | None. Returns [B, T, H, hd].
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or AxisType.Manual in mesh.axis_types:
+        return kernel(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
+    b = "data" if q.shape[0] % mesh.shape["data"] == 0 else None
+    heads, pages = P(b, None, "model", None), P(None, None, "model", None)
+    args, specs = [q, k_pages, v_pages, page_table, q_start, kv_len], [heads, pages, pages, P(b), P(b), P(b)]
+    if tree_mask is not None:
+        args.append(tree_mask)
+        specs.append(P(b))
+
+    def local(*a):
+        return kernel(*a[:6], a[6] if len(a) > 6 else None)
+
+    # check_vma off: the kernel is opaque, and with b=None its output is replicated over "data".
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(*args)
+
+
+# ---- command line --------------------------------------------------------------
+
+
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    """--mesh and the multi-host flags, shared by `jaxspec.generate` and `jaxspec.serve`."""
+    g = parser.add_argument_group("device mesh")
+    g.add_argument("--mesh", metavar="DPxTP", help="shard over a data x model mesh, e.g. 4x2 (product = devices)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: address of process 0")
+    g.add_argument("--num-processes", type=int, metavar="N", help="multi-host: number of processes")
+    g.add_argument("--process-id", type=int, metavar="I", help="multi-host: this process's index")
+
+
+def init_distributed(args) -> bool:
+    """jax.distributed.initialize from the multi-host flags; must run before anything touches devices."""
+    flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    given = [k for k, v in flags.items() if v is not None]
+    if not given:
+        return False
+    if len(given) != len(flags):
+        missing = ", ".join(k for k in flags if k not in given)
+        raise MeshError(f"multi-host needs --coordinator, --num-processes and --process-id; missing {missing}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise MeshError(f"--process-id {args.process_id} must be in [0, --num-processes {args.num_processes})")
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    return True
+
+
+def setup_mesh(args, cfg: ModelConfig | None = None) -> Mesh | None:
+    """Multi-host init (when asked), then the --mesh mesh (None without --mesh).
+
+    Call it first, before loading weights; `cfg`, when given, is validated too
+    (the Engine validates its models anyway)."""
+    if args.mesh is None:
+        init_distributed(args)
+        return None
+    shape = MeshShape.parse(args.mesh)  # a bad string fails before any device work
+    init_distributed(args)
+    mesh = make_mesh(shape)
+    if cfg is not None:
+        validate_for_model(shape, cfg)
+    return mesh
