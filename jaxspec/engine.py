@@ -13,6 +13,12 @@ The cache is donated to both, so it is updated in place. Buckets are
 (batch, prompt length, context) for prefill and (batch, context) for decode;
 calls go straight to the compiled executables, so an already-compiled bucket
 can never retrace.
+
+With a device mesh (`Engine(..., mesh=...)`, see `jaxspec.models.sharding`)
+params and caches are placed on it once, batch inputs are put on it per call,
+and both functions pin their output state to the same layout
+(`constrain_state`): an executable's outputs are then valid inputs of the next
+call as compiled, and the donated cache keeps its buffers.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from jaxspec.cache.paged import KVCache, PageAllocator
 from jaxspec.config import EngineSection
+from jaxspec.models import sharding as shd
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.spec.sampling import sample_token
@@ -189,15 +196,20 @@ class Engine:
     def __init__(
         self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
         spec=None, draft: tuple[dict, ModelConfig] | None = None, ngram_corpus=None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """`params`/`draft` params as loaded (Hugging Face layout); the engine keeps
         the runtime layout (`prepare_params`). `spec`: a SpecSection (algorithm !=
         "none" turns speculation on); `draft`: (params, config) of the STANDALONE
         draft model; `ngram_corpus`: token ids [K] (`corpus_token_array`) the
-        n-gram drafter also matches against, on device."""
+        n-gram drafter also matches against, on device. `mesh`: a ("data", "model")
+        mesh (`sharding.make_mesh`) to shard params, caches and batches over."""
+        if mesh is not None:
+            shd.validate_for_model(mesh, cfg)
+        self.mesh = mesh
         loop = engine_cfg.layer_loop
         self._unstack = None if loop == "auto" else loop == "unrolled"
-        self.params = prepare_params(params, cfg, unstack=self._unstack)
+        self.params = shd.shard_params(prepare_params(params, cfg, unstack=self._unstack), cfg, mesh)
         self.cfg = cfg
         self.ecfg = engine_cfg
         self.progress = progress
@@ -207,7 +219,9 @@ class Engine:
         pages_per_seq = -(-ctx_bucket // self.page_size)
         num_pages = engine_cfg.num_pages or engine_cfg.max_batch_size * pages_per_seq + 1
         dtype = params["embed"].dtype
-        self.cache = KVCache.zeros(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.cache = shd.zeros_cache(
+            (cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim), dtype, mesh
+        )
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.spec_plan = None
         self.drafter = None
@@ -217,8 +231,8 @@ class Engine:
         if spec is not None and spec.algorithm.lower() != "none":
             self._init_spec(spec, draft, num_pages, ngram_corpus)
         else:
-            self._prefill = jax.jit(make_prefill_fn(cfg), donate_argnums=(1,), static_argnums=(6,))
-            self._decode = jax.jit(make_decode_fn(cfg), donate_argnums=(1,))
+            self._prefill = jax.jit(self._pinned(make_prefill_fn(cfg)), donate_argnums=(1,), static_argnums=(6,))
+            self._decode = jax.jit(self._pinned(make_decode_fn(cfg)), donate_argnums=(1,))
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
 
@@ -232,13 +246,15 @@ class Engine:
         if ngram_corpus is not None:
             if plan.algorithm != "ngram":
                 raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
-            self.corpus = jnp.asarray(ngram_corpus, jnp.int32).reshape(1, -1)
+            self.corpus = shd.shard_batch(np.asarray(ngram_corpus, np.int32).reshape(1, -1), self.mesh)
         drafter = None
         if plan.algorithm == "standalone":
             if draft is None:
                 raise RequestError("standalone speculation needs a draft model")
             dparams, dcfg = draft
-            self.draft_params = prepare_params(dparams, dcfg, unstack=self._unstack)
+            if self.mesh is not None:
+                shd.validate_for_model(self.mesh, dcfg, "draft model")
+            self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack), dcfg, self.mesh)
             if dcfg.vocab_size != self.cfg.vocab_size:
                 raise RequestError(
                     f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
@@ -247,14 +263,31 @@ class Engine:
             drafter = StandaloneDrafter(
                 dcfg, plan.num_steps, plan.topk, plan.num_draft_tokens, sample_drafts=plan.verify == "rejection"
             )
-            self.draft_cache = KVCache.zeros(
-                dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim,
-                self.draft_params["embed"].dtype,
+            self.draft_cache = shd.zeros_cache(
+                (dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
+                self.draft_params["embed"].dtype, self.mesh,
             )
         self.spec_plan = plan
         self.drafter = drafter
-        self._prefill = jax.jit(make_spec_prefill_fn(self.cfg, drafter), donate_argnums=(2, 3), static_argnums=(9,))
-        self._decode = jax.jit(make_spec_decode_fn(plan, self.cfg, drafter), donate_argnums=(2,))
+        self._prefill = jax.jit(self._pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),
+                                static_argnums=(9,))
+        self._decode = jax.jit(self._pinned(make_spec_decode_fn(plan, self.cfg, drafter)), donate_argnums=(2,))
+
+    # ---- mesh --------------------------------------------------------------------
+
+    def _pinned(self, fn):
+        """`fn` with its output state pinned to the mesh layout (identity without a mesh)."""
+        if self.mesh is None:
+            return fn
+        return lambda *args: shd.constrain_state(fn(*args), self.mesh)
+
+    def constrain_cache(self, cache: KVCache) -> KVCache:
+        """For jitted code that returns a donated cache: same sharding out as in."""
+        return shd.constrain_cache(cache, self.mesh)
+
+    def mesh_context(self):
+        """Trace/lower jitted code under this, so kernels run per shard on the mesh."""
+        return shd.mesh_context(self.mesh)
 
     @property
     def reserve_tokens(self) -> int:
@@ -284,7 +317,8 @@ class Engine:
             temperature=f32(b), top_k=i32(b), top_p=f32(b),
             seed=jax.ShapeDtypeStruct((b,), jnp.uint32), stop_ids=i32(b, MAX_STOP_IDS), max_new=i32(b),
         )
-        return i32(b, lb), i32(b), i32(b, maxp), sampling
+        # The shardings `shard_batch` gives the real inputs in `_run_batch`.
+        return shd.abstract_state((i32(b, lb), i32(b), i32(b, maxp), sampling), self.mesh)
 
     def compile(self, buckets: Sequence[tuple[int, int, int]]) -> None:
         """AOT-compile prefill and decode for each (batch, prompt_len, context) bucket."""
@@ -298,15 +332,17 @@ class Engine:
                 todo.append(("decode", b, ctx))
         todo = list(dict.fromkeys(todo))
         for key in tqdm(todo, desc="compiling buckets", disable=not self.progress or not todo):
-            if key[0] == "prefill":
-                _, b, lb, ctx = key
-                lowered = self._prefill.lower(*self._prefill_args(*self._abstract_inputs(b, lb, ctx)), ctx)
-            else:
-                _, b, ctx = key
-                state = jax.eval_shape(
-                    lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
-                )
-                lowered = self._decode.lower(*self._decode_args(state))
+            with self.mesh_context():
+                if key[0] == "prefill":
+                    _, b, lb, ctx = key
+                    lowered = self._prefill.lower(*self._prefill_args(*self._abstract_inputs(b, lb, ctx)), ctx)
+                else:
+                    _, b, ctx = key
+                    state = jax.eval_shape(
+                        lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
+                    )
+                    # Decode's inputs are exactly prefill's (pinned) outputs.
+                    lowered = self._decode.lower(*self._decode_args(shd.abstract_state(state, self.mesh)))
             self._compiled[key] = lowered.compile()
 
     def _prefill_args(self, tokens, lens, page_table, sampling) -> tuple:
@@ -388,8 +424,9 @@ class Engine:
                 first = False
             return s
 
-        self._run_batch([requests[i] for i in idx], bucket, {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0},
-                        decode=decode)
+        with self.mesh_context():  # the phase functions trace on their first call
+            self._run_batch([requests[i] for i in idx], bucket, {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0},
+                            decode=decode)
         return timer.to_dict()
 
     def _run_batch(self, reqs: list[Request], bucket, timing, decode=None) -> list[Result]:
@@ -413,13 +450,12 @@ class Engine:
                 seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), r.max_new_tokens
                 stop[i, : len(r.stop_token_ids)] = r.stop_token_ids
             sampling = SamplingParams(
-                temperature=jnp.asarray(temp), top_k=jnp.asarray(topk), top_p=jnp.asarray(topp),
-                seed=jnp.asarray(seed), stop_ids=jnp.asarray(stop), max_new=jnp.asarray(max_new),
+                temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_new=max_new,
             )
             # 2. Prefill, then the on-device decode loop.
             t0 = time.perf_counter()
             state = self._compiled[("prefill", b, lb, ctx)](
-                *self._prefill_args(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(page_table), sampling)
+                *self._prefill_args(*shd.shard_batch((tokens, lens, page_table, sampling), self.mesh))
             )
             jax.block_until_ready(state.done)
             t1 = time.perf_counter()
@@ -450,15 +486,13 @@ class Engine:
         for name in ("cache", "draft_cache"):
             c = getattr(self, name)
             if c is not None and c.k.is_deleted():
-                setattr(self, name, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), c))
+                setattr(self, name, shd.zeros_cache(c.k.shape, c.k.dtype, self.mesh))
 
     def _outputs(self, state, prompt_lens) -> tuple[list[list[int]], list[list[int]] | None]:
         """Generated tokens per row, and (speculative) committed tokens per verify step."""
         if self.spec_plan is None:
-            output, num_gen = jax.device_get((state.output, state.num_generated))
+            output, num_gen = shd.to_host((state.output, state.num_generated))
             return [output[i, : num_gen[i]].tolist() for i in range(len(num_gen))], None
-        history, hist_len, acc, nv = jax.device_get(
-            (state.history, state.hist_len, state.accept_lens, state.num_verify)
-        )
+        history, hist_len, acc, nv = shd.to_host((state.history, state.hist_len, state.accept_lens, state.num_verify))
         outs = [history[i, prompt_lens[i] : hist_len[i]].tolist() for i in range(len(hist_len))]
         return outs, [acc[i, : nv[i]].tolist() for i in range(len(nv))]
