@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--simulate-accept-length", type=int, metavar="L",
                     help="benchmark only: force acceptance length L; output is NOT exact")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")
+    from jaxspec.models.sharding import add_mesh_args
+
+    add_mesh_args(p)
     return p
 
 
@@ -168,8 +171,10 @@ def run(args) -> int:
 
     from jaxspec.engine import Engine
     from jaxspec.models.loading import load_model
+    from jaxspec.models.sharding import setup_mesh
     from jaxspec.prompts import PromptError, read_jsonl
 
+    mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
     cfg = config_from_args(args)
     progress = not args.quiet
     if args.prompt is not None:
@@ -194,7 +199,7 @@ def run(args) -> int:
         except (ValueError, KeyError) as e:  # json errors are ValueErrors
             raise PromptError(f"--ngram-corpus {cfg.spec.ngram_corpus}: {e}") from None
     engine = Engine(model.params, model.config, cfg.engine, progress=progress,
-                    spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus)
+                    spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus, mesh=mesh)
     model.params = draft = None  # the engine holds its own runtime layout; free the loader's copy
     engine.compile(sorted({bucket for _, bucket in engine.plan(requests)}))
     t_ready = time.perf_counter()
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.engine import RequestError
     from jaxspec.models.config import ConfigError
     from jaxspec.models.loading import LoadError
+    from jaxspec.models.sharding import MeshError
     from jaxspec.prompts import PromptError
     from jaxspec.cache.paged import OutOfPagesError
     from jaxspec.spec.algorithm import SpecConfigError
@@ -251,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError, OSError) as e:
+    except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError,
+            MeshError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
