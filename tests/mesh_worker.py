@@ -1,0 +1,213 @@
+"""The multi-device half of tests/test_mesh.py, run in a subprocess.
+
+XLA's host device count is fixed when JAX starts, so the test starts this
+script with XLA_FLAGS=--xla_force_host_platform_device_count=8 and reads back
+one JSON report. Single-device references are computed here too, in the same
+process and on the same (CPU) backend, so equality is exact.
+
+    python tests/mesh_worker.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MESHES = ("4x2", "2x4", "8x1")
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [200, 3, 200, 3, 17], [11, 12, 13, 14, 11, 12, 13, 14, 11], [99]]
+NEW = 12
+# Heads 8 / kv heads 4 / MLP 128 divide by every TP size used; qkv bias and q/k
+# norms on (Qwen3 with attention_bias) so every sharding rule is exercised.
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 8, "max_position_embeddings": 256, "attention_bias": True, "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def write_tiny_checkpoint(path: Path) -> None:
+    """Random HF-format weights (no torch needed), LM head sharpened like tests/conftest.py does."""
+    from safetensors.numpy import save_file
+
+    from jaxspec.models.config import HF_LAYER_KEYS, ModelConfig, layer_keys
+    from jaxspec.models.loading import expected_shapes
+
+    cfg = ModelConfig.from_hf_dict(CONFIG)
+    rng = np.random.default_rng(0)
+    normal = lambda *s: rng.normal(0.0, 0.1, s).astype(np.float32)  # noqa: E731
+    d, v = cfg.hidden_size, cfg.vocab_size
+    tensors = {"model.embed_tokens.weight": normal(v, d), "model.norm.weight": np.ones(d, np.float32),
+               "lm_head.weight": 8.0 * normal(v, d)}
+    for n in range(cfg.num_layers):
+        for key in layer_keys(cfg):
+            shape = expected_shapes(cfg)[key]
+            value = 1.0 + normal(*shape) if key.endswith("norm") else normal(*shape)
+            tensors[f"model.layers.{n}.{HF_LAYER_KEYS[key]}"] = value
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(CONFIG))
+
+
+def make_engine(model, mesh, spec, layer_loop="auto"):
+    from jaxspec.config import EngineSection, SpecSection
+    from jaxspec.engine import Engine
+
+    ecfg = EngineSection(max_batch_size=4, max_context=64, length_buckets=(16, 32, 64), page_size=4,
+                         layer_loop=layer_loop)
+    spec = SpecSection(**spec) if spec else None
+    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, mesh=mesh)
+
+
+def count_compiles(fn) -> int:
+    import jax
+
+    seen = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)
+
+
+def engines_report(model) -> dict:
+    """Greedy outputs per mesh and mode, plus layouts and recompile counts."""
+    from jaxspec.engine import Request
+    from jaxspec.models.sharding import make_mesh
+
+    modes = {"plain": None, "ngram": {"algorithm": "ngram", "topk": 2, "num_steps": 3, "num_draft_tokens": 8}}
+    reqs = [Request(p, max_new_tokens=NEW) for p in PROMPTS]
+    # Same (batch 4, prompt <= 16, context <= 32) bucket, other contents.
+    again = [Request(list(reversed(p)), max_new_tokens=NEW - 3) for p in PROMPTS]
+    report = {}
+    for mode, spec in modes.items():
+        single = make_engine(model, None, spec)
+        res = single.generate(reqs)
+        rows = {"single": [r.output_ids for r in res], "single_accept": [r.accept_lengths for r in res],
+                "single_again": [r.output_ids for r in single.generate(again)]}
+        for shape in MESHES:
+            engine = make_engine(model, make_mesh(shape), spec)
+            res = engine.generate(reqs)
+            rows[shape] = [r.output_ids for r in res]
+            rows[f"{shape}_accept"] = [r.accept_lengths for r in res]
+            box = {}
+            rows[f"{shape}_compiles_again"] = count_compiles(lambda: box.update(out=engine.generate(again)))
+            rows[f"{shape}_again"] = [r.output_ids for r in box["out"]]
+            layers = engine.params["layers"]
+            layer0 = layers[0] if isinstance(layers, list) else layers  # unstacked on CPU
+            rows[f"{shape}_specs"] = {
+                "cache": str(engine.cache.k.sharding.spec), "wq": str(layer0["wq"].sharding.spec),
+                "wo": str(layer0["wo"].sharding.spec), "bk": str(layer0["bk"].sharding.spec),
+                "head": str(engine.params["head"].sharding.spec), "embed": str(engine.params["embed"].sharding.spec),
+            }
+            rows[f"{shape}_pages_used"] = engine.allocator.num_used
+            if shape == "2x4" and mode == "plain":
+                # Stacked [L, ...] layers under lax.scan: the GPU/TPU layout.
+                scan = make_engine(model, make_mesh(shape), spec, layer_loop="scan")
+                rows["2x4_scan"] = [r.output_ids for r in scan.generate(reqs)]
+                rows["2x4_scan_wq"] = str(scan.params["layers"]["wq"].sharding.spec)
+            if shape == "4x2" and mode == "plain":
+                hlo = engine._compiled[next(k for k in engine._compiled if k[0] == "decode")].as_text()
+                rows["4x2_decode_all_reduce"] = "all-reduce" in hlo
+                # The listener does see compiles when a new bucket is needed (not vacuous).
+                rows["4x2_compiles_new_bucket"] = count_compiles(
+                    lambda: engine.generate([Request(PROMPTS[0], max_new_tokens=40)]))
+        report[mode] = rows
+    return report
+
+
+def rejection_report(model) -> dict:
+    """Engine(mesh=...) refuses a model whose KV heads do not split over TP, before any device work."""
+    import dataclasses
+
+    from jaxspec.config import EngineSection
+    from jaxspec.engine import Engine
+    from jaxspec.models.sharding import MeshError, make_mesh
+
+    cfg = dataclasses.replace(model.config, num_kv_heads=2)
+    try:
+        Engine({}, cfg, EngineSection(), progress=False, mesh=make_mesh("2x4"))
+    except MeshError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def kernel_report() -> dict:
+    """The Pallas attention kernel (interpret mode) per shard under a mesh equals the reference."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.cache.attention import paged_attention, paged_attention_ref
+    from jaxspec.models import sharding as shd
+
+    os.environ["JAXSPEC_KERNELS"] = "interpret"
+    mesh = shd.make_mesh("2x4")
+    rng = np.random.default_rng(1)
+    out = {}
+    for name, b, t, tree in (("causal_b4", 4, 3, False), ("tree_b1", 1, 4, True)):
+        h, kvh, hd, pages, ps = 8, 4, 16, 12, 4
+        q = jnp.asarray(rng.normal(size=(b, t, h, hd)), jnp.float32)
+        k = jnp.asarray(rng.normal(size=(pages, ps, kvh, hd)), jnp.float32)
+        v = jnp.asarray(rng.normal(size=(pages, ps, kvh, hd)), jnp.float32)
+        table = jnp.asarray(rng.permutation(np.arange(1, pages))[: b * 2].reshape(b, 2), jnp.int32)
+        q_start = jnp.full((b,), 4, jnp.int32)
+        kv_len = q_start + t
+        mask = jnp.asarray(np.tril(rng.random((b, t, t)) < 0.6) | np.eye(t, dtype=bool)) if tree else None
+        args = (q, k, v, table, q_start, kv_len, mask)
+        fn = jax.jit(lambda *a: paged_attention(*a, scale=hd**-0.5))
+        # Inputs laid out as in the engine: heads over "model".
+        heads = jax.sharding.NamedSharding(mesh, jax.P(None, None, "model", None))
+        placed = (jax.device_put(q, heads), jax.device_put(k, heads), jax.device_put(v, heads), *args[3:])
+        with shd.mesh_context(mesh):
+            got = fn(*placed)
+            text = str(jax.make_jaxpr(fn)(*placed))
+        want = paged_attention_ref(*args, scale=hd**-0.5)
+        out[name] = {"max_err": float(jnp.max(jnp.abs(got - want))), "shard_map": "shard_map" in text}
+    os.environ.pop("JAXSPEC_KERNELS")
+    return out
+
+
+def cli_report(model_dir: Path, tmp: Path) -> dict:
+    from jaxspec.generate import main
+
+    prompts = tmp / "in.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp / "out.jsonl"
+    argv = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out), "--quiet",
+            "--max-new-tokens", str(NEW), "--ignore-eos", "--batch-size", "4", "--page-size", "4",
+            "--max-context", "64", "--set", "engine.length_buckets=16,32,64", "--mesh", "2x4"]
+    rc = main(argv)
+    rows = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()] if rc == 0 else []
+    return {"rc": rc, "outputs": rows}
+
+
+def main(out_path: str) -> None:
+    import jax
+
+    from jaxspec.models.loading import load_model
+
+    report = {"devices": jax.device_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write_tiny_checkpoint(tmp / "tiny")
+        model = load_model(str(tmp / "tiny"), progress=False)
+        report["engines"] = engines_report(model)
+        report["rejection"] = rejection_report(model)
+        report["kernel"] = kernel_report()
+        report["cli"] = cli_report(tmp / "tiny", tmp)
+    Path(out_path).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
