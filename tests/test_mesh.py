@@ -92,6 +92,39 @@ def test_engine_rejects_model_not_divisible_by_tp(report):
     assert err and "num_kv_heads = 2" in err and "model (tensor-parallel) axis size 4" in err
 
 
+def test_two_processes_share_one_mesh(report, tmp_path):
+    """--coordinator/--num-processes/--process-id: two CPU processes x 2 host devices form one 2x2
+    mesh (gloo collectives); each writes the single-device output."""
+    import socket
+
+    from tests.mesh_worker import NEW, PROMPTS, write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "tiny")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxspec.generate", "--model", str(tmp_path / "tiny"),
+         "--prompts", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"out{i}.jsonl"), "--quiet",
+         "--max-new-tokens", str(NEW), "--ignore-eos", "--batch-size", "4", "--page-size", "4",
+         "--max-context", "64", "--set", "engine.length_buckets=16,32,64", "--mesh", "2x2",
+         "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+    finally:  # one failed process leaves the other waiting for its peer
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for i in range(2):
+        rows = [json.loads(line)["output_ids"] for line in (tmp_path / f"out{i}.jsonl").read_text().splitlines()]
+        assert rows == report["engines"]["plain"]["single"], f"process {i}"
+
+
 # ---- single-device checks ----------------------------------------------------------
 
 
