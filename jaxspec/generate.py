@@ -48,31 +48,24 @@ FLAG_KEYS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.split("\n")[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="configs/*.toml file; flags override it")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, e.g. --set engine.length_buckets=64,128")
     p.add_argument("--model", help="'default' (embedded SmolLM2), a Hugging Face dir or a .gguf file")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
     p.add_argument("--cache-dir", help="where converted GGUF checkpoints are cached")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="one user message (chat template applied when the model has one)")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line")
-    p.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int, help="base seed; request i gets seed+i unless its line sets one")
-    p.add_argument("--ignore-eos", action="store_true", default=None)
-    p.add_argument("--batch-size", type=int)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int)
     p.add_argument("--num-pages", type=int)
     p.add_argument("--max-context", type=int)
-    p.add_argument("--output", metavar="FILE.jsonl")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
     sp = p.add_argument_group("speculative decoding")
-    sp.add_argument("--spec", metavar="none|ngram|standalone", help="speculative algorithm (default none)")
+    sp.add_argument("--spec", metavar="none|ngram|standalone", help="speculative algorithm")
     sp.add_argument("--num-steps", type=int, help="draft steps per iteration (tree depth)")
     sp.add_argument("--topk", type=int, help="branching per draft step (1 = chain)")
     sp.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, root included")
@@ -84,10 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ngram-min-match", type=int)
     sp.add_argument("--ngram-max-match", type=int)
     sp.add_argument("--ngram-corpus", metavar="FILE.jsonl", help="extra n-gram corpus (host-side index)")
-    sp.add_argument("--profile-phases", action="store_true",
-                    help="rerun the first batch with draft/verify/other timed apart and print the split")
     sp.add_argument("--simulate-accept-length", type=int, metavar="L",
                     help="benchmark only: force acceptance length L; output is NOT exact")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.split("\n")[0])
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message (chat template applied when the model has one)")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line")
+    p.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, help="base seed; request i gets seed+i unless its line sets one")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--batch-size", type=int)
+    add_engine_args(p)
+    p.add_argument("--output", metavar="FILE.jsonl")
+    add_spec_args(p)
+    p.add_argument("--profile-phases", action="store_true",
+                   help="rerun the first batch with draft/verify/other timed apart and print the split")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")
     from jaxspec.models.sharding import add_mesh_args
 
@@ -95,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args) -> Any:
+def config_from_args(args, *, base=None, extra_keys: dict[str, str] | None = None) -> Any:
+    """Defaults (or `base`) < --config file < --set < flags."""
     from jaxspec.config import ConfigValueError, load_config
 
     overrides: dict[str, Any] = {}
@@ -104,11 +117,11 @@ def config_from_args(args) -> Any:
         if not eq:
             raise ConfigValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
         overrides[key.strip()] = value
-    for dest, key in FLAG_KEYS.items():
+    for dest, key in {**FLAG_KEYS, **(extra_keys or {})}.items():
         value = getattr(args, dest, None)
         if value is not None:
             overrides[key] = value
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, base=base)
 
 
 def build_requests(entries: list[dict], tokenizer, cfg, stop_ids: tuple[int, ...]):

@@ -73,3 +73,34 @@ def smollm_hf(smollm):
     import transformers as tf
 
     return tf.AutoModelForCausalLM.from_pretrained(smollm.path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """Tiny random Llama + the SmolLM2 tokenizer files, in Hugging Face format."""
+    import shutil
+
+    from jaxspec.models.loading import cached_gguf_dir, default_gguf_path
+
+    src = cached_gguf_dir(default_gguf_path(), progress=False)
+    d = tmp_path_factory.mktemp("tiny_chat")
+    make_tiny_hf("llama", vocab_size=49152).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, d / f)
+    return d
+
+
+@pytest.fixture(scope="session")
+def served(chat_model_dir):
+    from jaxspec.serve.app import create_app
+    from jaxspec.serve.launch import ServerThread
+    from jaxspec.serve.server import build_server
+    from serve_util import serve_config
+
+    server = build_server(serve_config(chat_model_dir), progress=False)
+    thread = ServerThread(create_app(server)).start()
+    server.warm_up()
+    yield server, thread.url
+    thread.stop()
+    server.shutdown()

@@ -38,7 +38,9 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Finds stop strings in streamed text, holding back a tail that may begin one.
 
-    `feed(delta)` returns (text safe to send, stopped). Text that could still be
+    `feed(delta)` returns (text safe to send, stopped). The output is cut at the
+    start of the stop string that completes first (earliest end; on a tie the
+    earliest start), whatever the split into deltas. Text that could still be
     the start of a stop string is held until the next delta decides; `flush()`
     releases it when the sequence ends for another reason.
     """
@@ -51,10 +53,10 @@ class StopStringMatcher:
         if not self.stops:
             return delta, False
         text = self.pending + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
+        if hits:  # the stop string completed first wins, as it would token by token
             self.pending = ""
-            return text[: min(hits)], True
+            return text[: min(hits)[1]], True
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(text)), 0, -1):

@@ -83,6 +83,10 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"request body is not valid JSON ({e.msg} at position {e.pos})") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    try:  # "\ud800" is valid JSON but no text: the tokenizer would fail on it
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "request body contains a lone surrogate escape (\\ud800-\\udfff); not valid text") from None
     return body
 
 
@@ -150,6 +154,7 @@ def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int)
         raise bad("prompt", "must be a string, a list of strings, a token list or a list of token lists")
     if len(items) > MAX_N:
         raise bad("prompt", f"at most {MAX_N} prompts per request")
+    params = parse_gen_params(body, default_max_tokens)  # cheap checks before tokenizing
     prompts = []
     for p in items:
         if isinstance(p, str):
@@ -163,7 +168,6 @@ def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int)
             prompts.append(ids)
         else:
             prompts.append(_token_list(p, vocab, "prompt"))
-    params = parse_gen_params(body, default_max_tokens)
     if len(prompts) * params.n > MAX_N:
         raise bad("n", f"prompts x n must be at most {MAX_N}")
     return ParsedRequest("completion", prompts, params)

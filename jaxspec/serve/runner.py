@@ -270,7 +270,9 @@ class ModelRunner:
         state = SpecState(
             cache=e.cache, draft=draft, page_table=jnp.asarray(table), history=jnp.asarray(history),
             hist_len=jnp.asarray(hist_len), prompt_lens=jnp.asarray(prompt_lens), done=jnp.asarray(done),
-            num_verify=jnp.zeros((b,), jnp.int32), accept_lens=jnp.zeros((b, self.steps_per_call), jnp.int32),
+            # From numpy: a jnp.zeros here would compile a fill op per new shape while serving.
+            num_verify=jnp.asarray(np.zeros((b,), np.int32)),
+            accept_lens=jnp.asarray(np.zeros((b, self.steps_per_call), np.int32)),
             sampling=self._sampling(rows, b), corpus=e.corpus,
         )
         key = ("decode", k, b, ctx)

@@ -1,0 +1,47 @@
+"""Shared by the server tests: the small serving config and HTTP helpers."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+
+NUM_PAGES = 48  # x page size 8 = 376 usable slots: ~2 long requests at once
+SERVE_CFG = {
+    "engine.max_batch_size": 8, "engine.batch_buckets": "1,8", "engine.max_context": 256, "engine.page_size": 8,
+    "engine.num_pages": NUM_PAGES, "engine.length_buckets": "32,64,256", "serve.context_buckets": "64",
+    "serve.prefill_chunk": 64, "serve.max_prefill_batch": 1, "serve.adaptive_steps": "0,3",
+    "serve.steps_per_call": 4, "serve.max_body_bytes": 65536,
+}
+
+
+def serve_config(model_dir, **extra):
+    from jaxspec.config import apply_overrides, load_config
+    from jaxspec.serve.launch import SERVE_DEFAULTS
+
+    return apply_overrides(load_config(None), {**SERVE_DEFAULTS, "model.path": str(model_dir), **SERVE_CFG, **extra})
+
+
+def client(url, **kw):
+    return openai.OpenAI(base_url=url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def wait_for_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.scheduler.num_active == 0 and not server.scheduler.waiting and server.runner.engine.allocator.num_used == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def metric(url, name, labels=None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += s.value
+    return total

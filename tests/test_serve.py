@@ -1,0 +1,246 @@
+"""A real server on 127.0.0.1 driven by the official `openai` client and raw HTTP.
+
+The model is a tiny random Llama with SmolLM2's tokenizer (real chat template,
+real multi-byte tokens). The KV pool is small on purpose (`NUM_PAGES`), so the
+concurrency and long-request tests run out of pages and exercise queueing and
+preemption. References: `Engine.generate` (what `jaxspec.generate` runs) for
+greedy answers; the allocator itself for leaked pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+
+from serve_util import NUM_PAGES, client, metric, wait_for_idle
+
+@pytest.fixture(scope="module")
+def reference(served, chat_model_dir):
+    """Greedy text of the same model through Engine.generate (no speculation)."""
+    from jaxspec.config import EngineSection
+    from jaxspec.engine import Engine, Request
+    from jaxspec.models.loading import load_model
+
+    m = load_model(chat_model_dir, progress=False)
+    engine = Engine(m.params, m.config, EngineSection(max_batch_size=8, max_context=256, length_buckets=(64, 256)),
+                    progress=False)
+    stop = served[0].stop_ids
+
+    def greedy(prompt_ids: list[int], max_new: int, ignore_eos: bool = False) -> str:
+        req = Request(prompt_ids, max_new_tokens=max_new, stop_token_ids=() if ignore_eos else stop)
+        out = engine.generate([req])[0]
+        return m.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+
+    return greedy
+
+
+# ---- answers --------------------------------------------------------------------------
+
+
+def test_greedy_answers_equal_engine_generate(served, reference):
+    server, url = served
+    c = client(url)
+    tok = server.tokenizer
+    prompt = "The quick brown fox"
+    r = c.completions.create(model=server.model_name, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == reference(tok.encode(prompt, add_special_tokens=False), 24)
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours. 数学"}]
+    r = c.chat.completions.create(model=server.model_name, messages=messages, max_tokens=20, temperature=0)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert r.choices[0].message.content == reference(ids, 20)
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_greedy_answer_equals_the_generate_cli(served, chat_model_dir, tmp_path):
+    from jaxspec.generate import main
+
+    server, url = served
+    out = tmp_path / "out.jsonl"
+    rc = main(["--model", str(chat_model_dir), "--prompt", "Hello!", "--max-new-tokens", "16", "--quiet",
+               "--output", str(out), "--max-context", "256", "--set", "engine.length_buckets=64,256"])
+    assert rc == 0
+    want = json.loads(out.read_text())["text"]
+    r = client(url).chat.completions.create(model=server.model_name, temperature=0, max_tokens=16,
+                                            messages=[{"role": "user", "content": "Hello!"}])
+    assert r.choices[0].message.content == want
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streaming_equals_non_streaming(served, kind):
+    server, url = served
+    c = client(url)
+    kw = dict(model=server.model_name, max_tokens=30, temperature=0)
+    if kind == "chat":
+        kw["messages"] = [{"role": "user", "content": "Tell me about Paris 🇫🇷."}]
+        full = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        want = full.choices[0].message.content
+    else:
+        kw["prompt"] = "Once upon a time"
+        full = c.completions.create(**kw)
+        chunks = list(c.completions.create(stream=True, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        want = full.choices[0].text
+    assert text == want
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert reasons == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # Speculative steps commit several tokens at once and they go out together.
+    assert len([ch for ch in chunks if ch.choices]) <= full.usage.completion_tokens + 2
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_n_choices(served):
+    server, url = served
+    c = client(url)
+    kw = dict(model=server.model_name, prompt="Random words:", max_tokens=12, temperature=1.0, top_p=0.9, n=3, seed=7)
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    assert [x.index for x in a.choices] == [0, 1, 2]
+    assert len({x.text for x in a.choices}) > 1  # seeds seed+i: the choices differ
+    assert a.usage.completion_tokens == 36
+
+
+def test_stop_string_cuts_the_text_in_both_modes(served, reference):
+    server, url = served
+    c = client(url)
+    prompt = "A list of things"
+    full = c.completions.create(model=server.model_name, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]  # likely spans a token boundary
+    want = full[: full.find(stop)]
+    r = c.completions.create(model=server.model_name, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = c.completions.create(model=server.model_name, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                  stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+
+
+# ---- load, cancellation, exhaustion --------------------------------------------------------
+
+
+def test_64_concurrent_streaming_clients_all_complete(served):
+    server, url = served
+
+    async def one(c, i):
+        rng = random.Random(i)
+        n = rng.randint(4, 48)
+        kw = dict(model=server.model_name, max_tokens=n, temperature=rng.choice([0.0, 0.7]), seed=i, stream=True)
+        if i % 2:
+            stream = await c.chat.completions.create(messages=[{"role": "user", "content": f"Question {i}?"}], **kw)
+        else:
+            stream = await c.completions.create(prompt=" ".join(["word"] * rng.randint(1, 60)), **kw)
+        reasons, usage = [], None
+        async for ch in stream:
+            if ch.choices and ch.choices[0].finish_reason:
+                reasons.append(ch.choices[0].finish_reason)
+            if ch.usage:
+                usage = ch.usage
+        return reasons, usage, n
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(64))), timeout=600)
+
+    results = asyncio.run(main())
+    for reasons, usage, n in results:
+        assert len(reasons) == 1 and reasons[0] in ("stop", "length")
+        assert usage is not None and 1 <= usage.completion_tokens <= n
+        assert reasons[0] == "stop" or usage.completion_tokens == n
+    assert wait_for_idle(server)
+    assert metric(url, "jaxspec_kv_pages_used") == 0
+    assert metric(url, "jaxspec_num_requests_running") == 0
+
+
+def test_kv_exhaustion_long_requests_all_finish_exactly(served, reference):
+    """More long requests than pages: they queue or get preempted and recomputed, and the
+    greedy answers still equal the reference."""
+    server, url = served
+    tok = server.tokenizer
+    before = metric(url, "jaxspec_preemptions_total")
+    prompts = [f"Story number {i}: " + "the sea and the sky " * 8 for i in range(6)]
+    pages_needed = sum(-(-(len(tok.encode(p, add_special_tokens=False)) + 150) // 8) for p in prompts)
+    assert pages_needed > 2 * NUM_PAGES  # the test really oversubscribes the pool
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        return await asyncio.gather(*(c.completions.create(model=server.model_name, prompt=p, max_tokens=150,
+                                                           temperature=0, extra_body={"ignore_eos": True})
+                                      for p in prompts))
+
+    results = asyncio.run(main())
+    for r in results:
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 150
+    for p, r in zip(prompts, results):  # exact through preemption and recompute
+        assert r.choices[0].text == reference(tok.encode(p, add_special_tokens=False), 150, ignore_eos=True)
+    assert metric(url, "jaxspec_preemptions_total") > before
+    assert wait_for_idle(server)
+
+
+def test_client_disconnect_mid_stream_frees_pages(served):
+    server, url = served
+    aborted = metric(url, "jaxspec_requests_total", {"status": "abort"})
+    body = {"model": server.model_name, "prompt": "Count: one two three", "max_tokens": 200, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    break  # got the first chunk; hang up
+            assert server.runner.engine.allocator.num_used > 0
+    assert wait_for_idle(server, timeout=10)
+    assert metric(url, "jaxspec_requests_total", {"status": "abort"}) == aborted + 1
+
+
+def test_nothing_compiles_while_serving(served):
+    server, url = served
+    events = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        c = client(url)
+        for i, n in enumerate((1, 5, 33, 70)):
+            c.completions.create(model=server.model_name, prompt=[5 + i] * n, max_tokens=9 + i, temperature=0.5 * (i % 2),
+                                 n=1 + i % 3)
+        list(c.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=7, stream=True))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+    assert server.runner.num_compiles == len(server.runner.all_keys())
+
+
+# ---- metrics ----------------------------------------------------------------------------
+
+
+def test_metrics_cover_requests_latency_pages_and_speculation(served):
+    server, url = served
+    c = client(url)
+    gen_before = metric(url, "jaxspec_generation_tokens_total")
+    r = c.completions.create(model=server.model_name, prompt="abc abc abc abc abc abc", max_tokens=20, temperature=0)
+    assert metric(url, "jaxspec_generation_tokens_total") - gen_before == r.usage.completion_tokens
+    text = httpx.get(url + "/metrics").text
+    for name in ("jaxspec_requests_total", "jaxspec_prompt_tokens_total", "jaxspec_time_to_first_token_seconds_bucket",
+                 "jaxspec_time_per_output_token_seconds_bucket", "jaxspec_num_requests_running",
+                 "jaxspec_num_requests_waiting", "jaxspec_kv_pages_used", "jaxspec_kv_pages_free",
+                 "jaxspec_spec_accept_length_bucket", "jaxspec_spec_accept_rate", "jaxspec_spec_num_draft_tokens",
+                 "jaxspec_spec_num_steps", "jaxspec_spec_verify_calls_total", "jaxspec_spec_position_acceptance"):
+        assert name in text, name
+    assert metric(url, "jaxspec_kv_pages_used") + metric(url, "jaxspec_kv_pages_free") == NUM_PAGES - 1
+    current = server.scheduler.adaptive.current
+    for bucket, k in current.items():
+        assert metric(url, "jaxspec_spec_num_steps", {"batch_bucket": str(bucket)}) == k
+    assert metric(url, "jaxspec_spec_verify_calls_total") > 0

@@ -1,0 +1,110 @@
+"""Server pieces without a server: incremental detokenization, stop strings, the adaptive policy, request parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxspec.serve.adaptive import AdaptiveSteps
+from jaxspec.serve.detok import IncrementalDetokenizer, StopStringMatcher
+from jaxspec.serve.protocol import APIError, parse_completion, parse_gen_params, parse_json_body
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from jaxspec.models.loading import cached_gguf_dir, default_gguf_path, load_tokenizer
+
+    return load_tokenizer(cached_gguf_dir(default_gguf_path(), progress=False))
+
+
+TEXTS = ["Hello, world! Ünïcödé façade.", "数学是科学的皇后。🙂👍🏽 ok", "émoji 🇫🇷🇯🇵 and    spaces\n\nnew", "a" * 40]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_incremental_detokenizer_equals_full_decode(tokenizer, text, step):
+    """Streaming in chunks of `step` tokens never emits half a character and adds up to the full text."""
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    parts = []
+    for i in range(0, len(ids), step):
+        parts.append(detok.add(ids[i: i + step], final=i + step >= len(ids)))
+    assert all("\ufffd" not in p for p in parts)
+    assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenizer_skips_special_tokens(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [])
+    ids = tokenizer.encode("fine", add_special_tokens=False)
+    out = detok.add(ids) + detok.add([tokenizer.eos_token_id], final=True)
+    assert out == "fine"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcXY", max_size=30), st.lists(st.text(alphabet="abcXY", min_size=1, max_size=4),
+                                                        min_size=1, max_size=3), st.data())
+def test_stop_strings_across_arbitrary_splits(text, stops, data):
+    """Whatever the split into deltas, the sent text is cut at the stop string completing first (reference: str.find on the whole text)."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    m = StopStringMatcher(stops)
+    sent, stopped = "", False
+    for p in pieces:
+        out, stopped = m.feed(p)
+        sent += out
+        if stopped:
+            break
+    if not stopped:
+        sent += m.flush()
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    assert stopped == bool(hits)
+    assert sent == (text[: min(hits)[1]] if hits else text)
+
+
+def test_adaptive_turns_speculation_off_when_it_loses_and_on_when_it_wins():
+    # Cost grows with k at a large batch: verify is no longer free.
+    cost = {(k, 1): 1.0 + 0.02 * k for k in (0, 1, 3, 5)} | {(k, 32): 1.0 + 0.5 * k for k in (0, 1, 3, 5)}
+    a = AdaptiveSteps((0, 1, 3, 5), cost, hysteresis=0.1)
+    for _ in range(5):
+        a.observe(3, 1, [4, 4, 4, 3, 4, 4], 1.06)  # nearly every draft accepted
+    assert a.choose(1) == 5  # cheap verify, high acceptance: draft deep
+    assert a.choose(32) in (1, 3) and a.expected_tokens(5) > 4
+    b = AdaptiveSteps((0, 1, 3, 5), cost)
+    for _ in range(5):
+        b.observe(3, 1, [1] * 8, 1.06)  # nothing accepted
+    assert b.choose(1) == 0 and b.choose(32) == 0
+
+
+def test_adaptive_hysteresis_and_probing():
+    cost = {(k, 4): 1.0 for k in (0, 2)}
+    a = AdaptiveSteps((0, 2), cost, hysteresis=0.5, probe_every=4)
+    a.observe(2, 4, [1, 1, 1, 1], 1.0)  # rate 0: k = 0 wins
+    assert a.choose(4) == 0
+    a.observe(2, 4, [2, 2, 1, 1], 1.0)  # rate recovers a little: +25% score, under the 50% hysteresis
+    assert a.current[4] == 0 and a.choose(4) == 0
+    picks = [a.choose(4) for _ in range(8)]
+    assert picks.count(2) == 2  # every 4th call at k = 0 probes the smallest k > 0
+    for _ in range(10):
+        a.observe(2, 4, [3, 3, 3, 3], 1.0)
+    assert a.choose(4) == 2
+
+
+def test_parse_errors_name_the_field():
+    ids = [1, 2]
+    for body, param in [({"prompt": ids, "max_tokens": True}, "max_tokens"), ({"prompt": ids, "n": 0}, "n"),
+                        ({"prompt": ids, "temperature": "hot"}, "temperature"), ({"prompt": ids, "stop": [1]}, "stop"),
+                        ({"prompt": [1, 10**9]}, "prompt"), ({"prompt": ids, "logprobs": 2}, "logprobs"),
+                        ({"prompt": "text"}, "prompt")]:
+        with pytest.raises(APIError) as e:
+            parse_completion(body, None, 1000, 16)
+        assert e.value.status == 400 and e.value.param == param, body
+    with pytest.raises(APIError, match="UTF-8"):
+        parse_json_body(b"\xff\xfe{}")
+    with pytest.raises(APIError, match="JSON object"):
+        parse_json_body(json.dumps([1]).encode())
+    p = parse_gen_params({"prompt": "x", "unknown_field": {"a": 1}, "top_k": -1, "max_completion_tokens": 5}, 16)
+    assert p.top_k == 0 and p.max_tokens == 5 and p.include_usage
