@@ -231,8 +231,8 @@ class Engine:
         if spec is not None and spec.algorithm.lower() != "none":
             self._init_spec(spec, draft, num_pages, ngram_corpus)
         else:
-            self._prefill = jax.jit(self._pinned(make_prefill_fn(cfg)), donate_argnums=(1,), static_argnums=(6,))
-            self._decode = jax.jit(self._pinned(make_decode_fn(cfg)), donate_argnums=(1,))
+            self._prefill = jax.jit(self.pinned(make_prefill_fn(cfg)), donate_argnums=(1,), static_argnums=(6,))
+            self._decode = jax.jit(self.pinned(make_decode_fn(cfg)), donate_argnums=(1,))
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
 
@@ -269,13 +269,13 @@ class Engine:
             )
         self.spec_plan = plan
         self.drafter = drafter
-        self._prefill = jax.jit(self._pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),
+        self._prefill = jax.jit(self.pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),
                                 static_argnums=(9,))
-        self._decode = jax.jit(self._pinned(make_spec_decode_fn(plan, self.cfg, drafter)), donate_argnums=(2,))
+        self._decode = jax.jit(self.pinned(make_spec_decode_fn(plan, self.cfg, drafter)), donate_argnums=(2,))
 
     # ---- mesh --------------------------------------------------------------------
 
-    def _pinned(self, fn):
+    def pinned(self, fn):
         """`fn` with its output state pinned to the mesh layout (identity without a mesh)."""
         if self.mesh is None:
             return fn

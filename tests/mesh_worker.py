@@ -192,6 +192,37 @@ def cli_report(model_dir: Path, tmp: Path) -> dict:
     return {"rc": rc, "outputs": rows}
 
 
+def serve_report(model_dir: Path) -> dict:
+    """The server's scheduler and runner (continuous batching, n-gram speculation) under each mesh."""
+    from jaxspec.config import apply_overrides, load_config
+    from jaxspec.models.sharding import make_mesh
+    from jaxspec.serve.scheduler import Seq, SeqParams
+    from jaxspec.serve.server import build_server
+
+    cfg = apply_overrides(load_config(None), {
+        "model.path": str(model_dir), "spec.algorithm": "ngram", "spec.verify": "rejection",
+        "spec.num_draft_tokens": 4, "serve.adaptive": False, "engine.max_batch_size": 8,
+        "engine.batch_buckets": "8", "engine.max_context": 64, "engine.page_size": 4,
+        "engine.length_buckets": "16,64", "serve.context_buckets": "64", "serve.prefill_chunk": 16,
+        "serve.max_prefill_batch": 8, "serve.steps_per_call": 3})
+    out = {}
+    for shape in ("single",) + MESHES:
+        server = build_server(cfg, mesh=None if shape == "single" else make_mesh(shape), progress=False)
+        sched, got = server.scheduler, {}
+        seqs = []
+        for i, p in enumerate(PROMPTS * 2):  # 8 rows: a full batch, joining over two steps
+            seqs.append(Seq(p, SeqParams(max_new_tokens=NEW + i), lambda e, i=i: got.setdefault(i, []).extend(
+                e.token_ids)))
+            sched.submit(seqs[-1])
+            if i == 3:
+                sched.step()
+        while any(s.finish_reason is None for s in seqs):
+            sched.step()
+        out[shape] = [got[i] for i in range(len(seqs))]
+        out[f"{shape}_pages_used"] = server.runner.engine.allocator.num_used
+    return out
+
+
 def main(out_path: str) -> None:
     import jax
 
@@ -206,6 +237,7 @@ def main(out_path: str) -> None:
         report["rejection"] = rejection_report(model)
         report["kernel"] = kernel_report()
         report["cli"] = cli_report(tmp / "tiny", tmp)
+        report["serve"] = serve_report(tmp / "tiny")
     Path(out_path).write_text(json.dumps(report))
 
 

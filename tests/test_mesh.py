@@ -184,3 +184,23 @@ def test_setup_mesh_without_flags_is_none():
     shd.add_mesh_args(p)
     assert shd.setup_mesh(p.parse_args([])) is None
     assert shd.setup_mesh(p.parse_args(["--mesh", "1x1"])).shape == {"data": 1, "model": 1}
+
+
+def test_server_scheduler_under_mesh_equals_single_device(report):
+    """Continuous batching with n-gram speculation through the serving runner, per mesh."""
+    rows = report["serve"]
+    assert all(len(r) > 0 for r in rows["single"])
+    for shape in MESHES:
+        assert rows[shape] == rows["single"], shape
+        assert rows[f"{shape}_pages_used"] == 0
+
+
+def test_serve_cli_rejects_a_mesh_that_does_not_fit(capsys):
+    from jaxspec.serve.launch import main
+
+    assert main(["--mesh", "4x2"]) == 2  # one device here
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "8" in err
+    assert main(["--mesh", "4x"]) == 2
+    assert "4x" in capsys.readouterr().err
+

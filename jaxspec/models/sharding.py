@@ -167,7 +167,7 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
 def shard_batch(tree, mesh: Mesh | None):
     """Host or device arrays with a leading batch axis -> device arrays laid out by `batch_sharding`."""
     if mesh is None:
-        return jax.tree.map(jnp.asarray, tree)
+        return jax.tree.map(jax.device_put, tree)  # jnp.asarray would compile a copy op per new shape
     return jax.tree.map(lambda x: _put(x, batch_sharding(mesh, np.shape(x))), tree)
 
 

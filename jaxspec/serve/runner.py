@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxspec.cache.paged import KVCache
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
+from jaxspec.models import sharding as shd
 from jaxspec.models.llama import forward
 from jaxspec.spec.loop import SpecPlan, SpecState, spec_iteration
 from jaxspec.spec.sampling import sample_token
@@ -129,7 +130,8 @@ class ModelRunner:
         self.context_buckets = tuple(ctx)
         draft_cfg = engine.drafter.cfg if engine.drafter is not None else None
         self.draft_cfg = draft_cfg
-        self._prefill = jax.jit(make_chunk_prefill_fn(self.cfg, draft_cfg), donate_argnums=(2, 3))
+        # `pinned`: outputs keep the mesh layout, so each executable accepts its own outputs.
+        self._prefill = jax.jit(engine.pinned(make_chunk_prefill_fn(self.cfg, draft_cfg)), donate_argnums=(2, 3))
         self._decode = {}
         for k, plan in self.plans.items():
             drafter = None
@@ -138,7 +140,7 @@ class ModelRunner:
                                             sample_drafts=plan.verify == "rejection",
                                             catch_up_width=self.max_depth + 1)
             fn = make_bounded_decode_fn(plan, self.cfg, drafter, steps_per_call)
-            self._decode[k] = jax.jit(fn, donate_argnums=(2,))
+            self._decode[k] = jax.jit(engine.pinned(fn), donate_argnums=(2,))
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
         self.decode_seconds: dict[tuple[int, int], float] = {}  # (k, b) -> warm-up seconds per iteration
@@ -184,15 +186,18 @@ class ModelRunner:
         todo = [k for k in keys if k not in self._compiled]
         e = self.engine
         for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
-            if key[0] == "prefill":
-                _, b, c = key
-                i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-                lowered = self._prefill.lower(e.params, e.draft_params, e.cache, e.draft_cache, i32(b, c), i32(b),
-                                              i32(b), i32(b, self.max_pages), self._sampling_struct(b))
-            else:
-                _, k, b, ctx = key
-                lowered = self._decode[k].lower(e.params, e.draft_params, self._state_struct(b, ctx))
-            self._compiled[key] = lowered.compile()
+            with e.mesh_context():
+                if key[0] == "prefill":
+                    _, b, c = key
+                    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+                    batch = shd.abstract_state((i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
+                                                self._sampling_struct(b)), e.mesh)
+                    lowered = self._prefill.lower(e.params, e.draft_params, e.cache, e.draft_cache, *batch)
+                else:
+                    _, k, b, ctx = key
+                    lowered = self._decode[k].lower(e.params, e.draft_params,
+                                                    shd.abstract_state(self._state_struct(b, ctx), e.mesh))
+                self._compiled[key] = lowered.compile()
             self.num_compiles += 1
 
     def calibrate(self, ctx: int | None = None) -> None:
@@ -222,8 +227,7 @@ class ModelRunner:
             temp[i], topp[i], topk[i] = r.temperature, r.top_p, r.top_k
             seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), min(r.max_new, 2**31 - 1)
             stop[i, : len(r.stop_ids)] = list(r.stop_ids)[:MAX_STOP_IDS]
-        return SamplingParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(topk), top_p=jnp.asarray(topp),
-                              seed=jnp.asarray(seed), stop_ids=jnp.asarray(stop), max_new=jnp.asarray(max_new))
+        return SamplingParams(temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_new=max_new)
 
     def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
         """chunks: (row, q_start, chunk_len) each; returns the token sampled at each chunk's end."""
@@ -239,11 +243,10 @@ class ModelRunner:
             table[i, : len(row.page_row)] = row.page_row
         self.compile([("prefill", b, c)])
         try:
+            batch = shd.shard_batch((tokens, q_start, lens, table, self._sampling([r for r, _, _ in chunks], b)), e.mesh)
             e.cache, e.draft_cache, first = self._compiled[("prefill", b, c)](
-                e.params, e.draft_params, e.cache, e.draft_cache, jnp.asarray(tokens), jnp.asarray(q_start),
-                jnp.asarray(lens), jnp.asarray(table), self._sampling([r for r, _, _ in chunks], b),
-            )
-            return np.asarray(jax.device_get(first))[: len(chunks)].tolist()
+                e.params, e.draft_params, e.cache, e.draft_cache, *batch)
+            return np.asarray(shd.to_host(first))[: len(chunks)].tolist()
         finally:
             e._restore_donated_caches()
 
@@ -264,16 +267,20 @@ class ModelRunner:
             m = min(len(r.page_row), maxp)
             table[i, :m] = r.page_row[:m]
             done[i] = False
+        # Host arrays only (a jnp.zeros here would compile a fill op per new shape while serving),
+        # placed with the mesh's batch layout in one go.
+        rows_state = shd.shard_batch(dict(
+            table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
+            num_verify=np.zeros((b,), np.int32), accept_lens=np.zeros((b, self.steps_per_call), np.int32),
+            draft_len=draft_len, sampling=self._sampling(rows, b)), e.mesh)
         draft = None
         if e.draft_cache is not None:
-            draft = DraftState(cache=e.draft_cache, draft_len=jnp.asarray(draft_len))
+            draft = DraftState(cache=e.draft_cache, draft_len=rows_state["draft_len"])
         state = SpecState(
-            cache=e.cache, draft=draft, page_table=jnp.asarray(table), history=jnp.asarray(history),
-            hist_len=jnp.asarray(hist_len), prompt_lens=jnp.asarray(prompt_lens), done=jnp.asarray(done),
-            # From numpy: a jnp.zeros here would compile a fill op per new shape while serving.
-            num_verify=jnp.asarray(np.zeros((b,), np.int32)),
-            accept_lens=jnp.asarray(np.zeros((b, self.steps_per_call), np.int32)),
-            sampling=self._sampling(rows, b), corpus=e.corpus,
+            cache=e.cache, draft=draft, page_table=rows_state["table"], history=rows_state["history"],
+            hist_len=rows_state["hist_len"], prompt_lens=rows_state["prompt_lens"], done=rows_state["done"],
+            num_verify=rows_state["num_verify"], accept_lens=rows_state["accept_lens"],
+            sampling=rows_state["sampling"], corpus=e.corpus,
         )
         key = ("decode", k, b, ctx)
         self.compile([key])
@@ -282,7 +289,7 @@ class ModelRunner:
             e.cache = state.cache
             if state.draft is not None:
                 e.draft_cache = state.draft.cache
-            hist, new_len, done_out, acc, nv, dlen = jax.device_get(
+            hist, new_len, done_out, acc, nv, dlen = shd.to_host(
                 (state.history, state.hist_len, state.done, state.accept_lens, state.num_verify,
                  state.draft.draft_len if state.draft is not None else state.hist_len)
             )
