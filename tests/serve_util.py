@@ -13,6 +13,7 @@ SERVE_CFG = {
     "engine.num_pages": NUM_PAGES, "engine.length_buckets": "32,64,256", "serve.context_buckets": "64",
     "serve.prefill_chunk": 64, "serve.max_prefill_batch": 1, "serve.adaptive_steps": "0,3",
     "serve.steps_per_call": 4, "serve.max_body_bytes": 65536,
+    "serve.compilation_cache": "off",  # every test compiles for real: the no-recompile checks stay honest
 }
 
 

@@ -60,6 +60,14 @@ def test_greedy_answers_equal_engine_generate(served, reference):
     assert r.usage.prompt_tokens == len(ids)
 
 
+def test_long_prompt_is_prefilled_in_chunks_and_still_exact(served, reference):
+    server, url = served
+    ids = server.tokenizer.encode("Alpha beta gamma delta. " * 30, add_special_tokens=False)[:150]
+    assert len(ids) > 2 * server.runner.prefill_chunk  # three prefill calls
+    r = client(url).completions.create(model=server.model_name, prompt=ids, max_tokens=40, temperature=0)
+    assert r.choices[0].text == reference(ids, 40)
+
+
 def test_greedy_answer_equals_the_generate_cli(served, chat_model_dir, tmp_path):
     from jaxspec.generate import main
 

@@ -1,11 +1,12 @@
-"""`python -m jaxspec.bench {decode,spec,gpu} ...`: benchmarks that print ratios measured side by side."""
+"""`python -m jaxspec.bench {decode,spec,gpu,serve} ...`: benchmarks that print ratios measured side by side."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu": "jaxspec.bench.gpu"}
+SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu": "jaxspec.bench.gpu",
+          "serve": "jaxspec.bench.serve"}
 
 
 def main(argv=None) -> int:

