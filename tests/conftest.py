@@ -96,7 +96,7 @@ def served(chat_model_dir):
     from jaxspec.serve.app import create_app
     from jaxspec.serve.launch import ServerThread
     from jaxspec.serve.server import build_server
-    from serve_util import serve_config
+    from tests.serve_util import serve_config
 
     server = build_server(serve_config(chat_model_dir), progress=False)
     thread = ServerThread(create_app(server)).start()

@@ -65,20 +65,9 @@ def make_engine(model, mesh, spec, layer_loop="auto"):
 
 
 def count_compiles(fn) -> int:
-    import jax
+    from tests.reference import compile_events
 
-    seen = []
-
-    def listener(event, duration, **kw):
-        if "compile" in event:
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        fn()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return len(seen)
+    return len(compile_events(fn))
 
 
 def engines_report(model) -> dict:

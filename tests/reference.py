@@ -44,3 +44,22 @@ def assert_greedy_equal(model, prompt_ids, ours, ref, eps: float = 1e-4):
         )
         return i
     return len(ref)
+
+
+def compile_events(fn) -> list[str]:
+    """JAX compile events seen while `fn()` runs (the no-recompile checks)."""
+    import jax
+
+    seen = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return seen
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -46,3 +47,10 @@ def metric(url, name, labels=None) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
                 total += s.value
     return total
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+

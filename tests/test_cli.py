@@ -7,7 +7,6 @@ import json
 import pytest
 
 from jaxspec.generate import main
-from jaxspec.models.loading import load_model
 from tests.reference import hf_greedy
 
 ENGINE = ["--set", "engine.length_buckets=16,32,64,128", "--max-context", "128", "--quiet"]

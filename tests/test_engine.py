@@ -7,14 +7,13 @@ the no-recompile guarantee.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from jaxspec.config import EngineSection
 from jaxspec.engine import Engine, Request, RequestError
 from jaxspec.models.loading import load_model
-from tests.reference import assert_greedy_equal, hf_greedy
+from tests.reference import assert_greedy_equal, compile_events, hf_greedy
 
 PROMPTS = [[5, 17, 33, 9, 100, 42, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [99]]
 
@@ -78,25 +77,11 @@ def test_second_request_of_compiled_bucket_does_not_compile(tiny_dirs):
     engine = make_engine(path)
     # Bucket (batch 1, prompt <= 16, context <= 32) for both requests.
     engine.generate([Request(PROMPTS[0], max_new_tokens=20)])
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if "compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        # Same bucket, different contents and sampling parameters.
-        engine.generate([Request(PROMPTS[2], max_new_tokens=10, temperature=0.7, seed=3)])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == []
+    # Same bucket, different contents and sampling parameters.
+    assert compile_events(lambda: engine.generate([Request(PROMPTS[2], max_new_tokens=10, temperature=0.7,
+                                                           seed=3)])) == []
     # And the listener does see compilation when a new bucket is needed.
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        engine.generate([Request(PROMPTS[2], max_new_tokens=40)])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    compiles = compile_events(lambda: engine.generate([Request(PROMPTS[2], max_new_tokens=40)]))
     assert compiles, "the compile listener saw nothing: the test would be vacuous"
 
 

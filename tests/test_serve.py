@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
-import jax
 import openai
 import pytest
 
-from serve_util import NUM_PAGES, client, metric, wait_for_idle
+from tests.reference import compile_events
+from tests.serve_util import NUM_PAGES, client, metric, wait_for_idle
 
 @pytest.fixture(scope="module")
 def reference(served, chat_model_dir):
@@ -211,22 +210,16 @@ def test_client_disconnect_mid_stream_frees_pages(served):
 
 def test_nothing_compiles_while_serving(served):
     server, url = served
-    events = []
+    c = client(url)
 
-    def listener(event, duration, **kw):
-        if "compile" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        c = client(url)
+    def serve_some():
         for i, n in enumerate((1, 5, 33, 70)):
-            c.completions.create(model=server.model_name, prompt=[5 + i] * n, max_tokens=9 + i, temperature=0.5 * (i % 2),
-                                 n=1 + i % 3)
+            c.completions.create(model=server.model_name, prompt=[5 + i] * n, max_tokens=9 + i,
+                                 temperature=0.5 * (i % 2), n=1 + i % 3)
         list(c.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=7, stream=True))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+
+    events = compile_events(serve_some)
     assert events == []
     assert server.runner.num_compiles == len(server.runner.all_keys())
 

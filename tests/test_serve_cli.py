@@ -13,15 +13,24 @@ from pathlib import Path
 
 import httpx
 
-from serve_util import SERVE_CFG
+from tests.serve_util import SERVE_CFG, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on `port`, from the kernel's table (Linux)."""
+    out = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # 0A = LISTEN
+                if width == 8:
+                    out.add(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+                else:
+                    out.add(addr)
+    return out
 
 
 def test_cli_compiles_logs_the_url_and_serves(chat_model_dir):
@@ -48,6 +57,7 @@ def test_cli_compiles_logs_the_url_and_serves(chat_model_dir):
             time.sleep(0.2)
         assert r.status_code == 200 and r.json()["model"] == "tiny"
         assert saw_starting
+        assert listening_addresses(port) == {"127.0.0.1"}  # loopback only by default
         h = {"authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models", headers=h).json()["data"][0]["id"] == "tiny"
         assert httpx.get(url + "/v1/models").status_code == 401

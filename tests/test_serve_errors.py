@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import client, metric, serve_config, wait_for_idle
+from tests.serve_util import client, metric, serve_config, wait_for_idle
 
 OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OK_COMPLETION = {"prompt": "hi", "max_tokens": 4}
@@ -182,3 +182,18 @@ def test_health_and_requests_wait_for_compilation(chat_model_dir):
     finally:
         thread.stop()
         server.shutdown()
+
+
+def test_kv_memory_fraction_sizes_the_page_pool(chat_model_dir):
+    import os
+
+    from jaxspec.models.loading import load_model
+    from jaxspec.serve.server import _num_pages_from_memory
+
+    cfg = serve_config(chat_model_dir, **{"serve.kv_memory_fraction": 0.01})
+    mc = load_model(chat_model_dir, progress=False).config
+    pages = _num_pages_from_memory(cfg, mc)
+    per_page = 2 * mc.num_layers * cfg.engine.page_size * mc.num_kv_heads * mc.head_dim * 4
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # CPU: host memory
+    assert 2 < pages and pages * per_page <= 0.0101 * free * 1.1  # free memory moves a little meanwhile
+

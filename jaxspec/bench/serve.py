@@ -147,31 +147,73 @@ def bench_url(url: str, model: str, prompts: list[str], levels: list[int], args)
 
 
 def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[list[dict], dict]:
-    from jaxspec.config import apply_overrides, load_config
-    from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import SERVE_DEFAULTS, ServerThread
-    from jaxspec.serve.server import build_server
+    """Start `python -m jaxspec.serve` for one mode, load it, stop it. A process per mode keeps
+    the modes apart (and one process holding every mode's executables runs out of mappings)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
 
-    overrides = {**SERVE_DEFAULTS, "model.path": args.model, "engine.max_batch_size": max(levels),
-                 "engine.max_context": args.max_context, **MODES[mode]}
+    import httpx
+
+    from jaxspec.serve.launch import SERVE_DEFAULTS
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels), "engine.max_context": args.max_context,
+                 **MODES[mode]}
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = value
-    cfg = apply_overrides(load_config(args.config), overrides)
-    server = build_server(cfg, progress=True)
-    thread = ServerThread(create_app(server)).start()
+    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", args.model, "--port", str(port)]
+    if args.config:
+        cmd += ["--config", args.config]
+    for key, value in overrides.items():
+        cmd += ["--set", f"{key}={value}"]
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"jaxspec-serve-{mode}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
-        server.warm_up(progress=True)
-        print(f"[{mode}] {server.runner.num_compiles} buckets ready in {time.perf_counter() - t0:.0f}s", flush=True)
-        # One short request per level primes the HTTP path; not measured.
-        asyncio.run(run_level(thread.url, server.model_name, prompts[:1], 1, 4, args.temperature))
-        rows = bench_url(thread.url, server.model_name, prompts, levels, args)
-        adaptive = dict(server.scheduler.adaptive.current) if server.scheduler.adaptive else {}
-        return rows, {"model": server.model_name, "adaptive": adaptive}
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"[{mode}] server exited with {proc.returncode}; log: {log.name}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        print(f"[{mode}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
+        # One short request primes the HTTP path; not measured.
+        asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
+        rows = bench_url(url, model, prompts, levels, args)
+        adaptive = adaptive_choice(url)
+        return rows, {"model": model, "adaptive": adaptive}
     finally:
-        thread.stop()
-        server.shutdown()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def adaptive_choice(url: str) -> dict[int, int]:
+    """The server's current draft length per batch bucket (`jaxspec_spec_num_steps`)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == "jaxspec_spec_num_steps":
+                out[int(s.labels["batch_bucket"])] = int(s.value)
+    return dict(sorted(out.items()))
 
 
 def hf_and_roofline(args, prompts: list[str]) -> tuple[float, float]:
@@ -224,7 +266,7 @@ def main(argv=None) -> int:
     results, info = {}, {}
     for mode in args.modes.split(","):
         results[mode], info = serve_mode(mode, args, prompts, levels)
-        print(f"[{mode}] done; adaptive choice per batch bucket: {info['adaptive'] or 'n/a'}", flush=True)
+        print(f"[{mode}] done; draft length per batch bucket: {info['adaptive'] or 'n/a'}", flush=True)
     hf_tps, roofline = hf_and_roofline(args, prompts) if args.hf_prompts else (float("nan"), float("nan"))
     base = {r["concurrency"]: r["tok_s"] for r in results.get("off", [])}
     rows = []

@@ -115,11 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("jaxspec.serve")
     try:
         cfg = config_from_args(args)
-        mesh = setup_mesh(args, cfg)
+        mesh = setup_mesh(args)  # the Engine checks the model against it
         server = build_server(cfg, mesh=mesh, progress=True)
     except (ConfigValueError, SpecConfigError, ConfigError, LoadError, MeshError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    if jax.process_count() > 1 and jax.process_index() != 0:
+        return follow_leader(server, log)
+    leader = None
+    if jax.process_count() > 1:  # process 0: HTTP and scheduling; the others replay its device calls
+        from jaxspec.serve.multihost import LeaderRunner
+
+        leader = server.scheduler.runner = LeaderRunner(server.runner)
     app = create_app(server)
     s = cfg.serve
 
@@ -139,4 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         server.shutdown()
+        if leader is not None:
+            leader.stop()
+    return 0
+
+
+def follow_leader(server, log) -> int:
+    """Processes other than 0 of a multi-host mesh: compile, then run process 0's device calls."""
+    import jax
+
+    from jaxspec.serve.multihost import follow
+
+    server.runner.compile(server.runner.all_keys())
+    if server.scheduler.adaptive is not None:
+        server.runner.calibrate()  # device calls too: the same ones, in the same order, as the leader's
+    log.info("process %d following process 0", jax.process_index())
+    calls = follow(server.runner)
+    log.info("process %d: leader stopped after %d device calls", jax.process_index(), calls)
     return 0

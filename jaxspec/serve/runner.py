@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache.paged import KVCache
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
 from jaxspec.models import sharding as shd
 from jaxspec.models.llama import forward
@@ -219,7 +218,7 @@ class ModelRunner:
     # ---- calls -------------------------------------------------------------------
 
     @staticmethod
-    def _sampling(rows: Sequence, b: int) -> SamplingParams:
+    def sampling_inputs(rows: Sequence, b: int) -> SamplingParams:
         temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
         topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
@@ -229,9 +228,11 @@ class ModelRunner:
             stop[i, : len(r.stop_ids)] = list(r.stop_ids)[:MAX_STOP_IDS]
         return SamplingParams(temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_new=max_new)
 
-    def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
-        """chunks: (row, q_start, chunk_len) each; returns the token sampled at each chunk's end."""
-        e = self.engine
+    # Each call is split in two: the host inputs of a bucket (plain numpy, so a
+    # multi-host leader can broadcast them) and running that bucket on them
+    # (what every process does, `jaxspec.serve.multihost`).
+
+    def prefill_inputs(self, chunks: Sequence[tuple[RowInput, int, int]]) -> tuple[tuple, dict]:
         b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
         c = bucket_for(max(n for _, _, n in chunks), self.chunk_buckets, "prefill chunk")
         tokens = np.zeros((b, c), np.int32)
@@ -241,18 +242,29 @@ class ModelRunner:
             tokens[i, :n] = row.tokens[start: start + n]
             q_start[i], lens[i] = start, n
             table[i, : len(row.page_row)] = row.page_row
-        self.compile([("prefill", b, c)])
+        inputs = dict(tokens=tokens, q_start=q_start, lens=lens, table=table,
+                      sampling=self.sampling_inputs([r for r, _, _ in chunks], b))
+        return ("prefill", b, c), inputs
+
+    def run_prefill(self, key: tuple, inputs: dict) -> np.ndarray:
+        """The token sampled at each row's chunk end [b]."""
+        e = self.engine
+        self.compile([key])
         try:
-            batch = shd.shard_batch((tokens, q_start, lens, table, self._sampling([r for r, _, _ in chunks], b)), e.mesh)
-            e.cache, e.draft_cache, first = self._compiled[("prefill", b, c)](
-                e.params, e.draft_params, e.cache, e.draft_cache, *batch)
-            return np.asarray(shd.to_host(first))[: len(chunks)].tolist()
+            x = shd.shard_batch(inputs, e.mesh)
+            e.cache, e.draft_cache, first = self._compiled[key](
+                e.params, e.draft_params, e.cache, e.draft_cache, x["tokens"], x["q_start"], x["lens"], x["table"],
+                x["sampling"])
+            return np.asarray(shd.to_host(first))
         finally:
             e._restore_donated_caches()
 
-    def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
-        """Up to steps_per_call iterations with draft length k; returns ([RowOutput], iterations run)."""
-        e = self.engine
+    def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
+        """chunks: (row, q_start, chunk_len) each; returns the token sampled at each chunk's end."""
+        key, inputs = self.prefill_inputs(chunks)
+        return self.run_prefill(key, inputs)[: len(chunks)].tolist()
+
+    def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
         b = bucket_for(len(rows), self.batch_buckets, "batch size")
         maxp = -(-ctx // self.page_size)
         history = np.zeros((b, ctx), np.int32)
@@ -267,34 +279,43 @@ class ModelRunner:
             m = min(len(r.page_row), maxp)
             table[i, :m] = r.page_row[:m]
             done[i] = False
-        # Host arrays only (a jnp.zeros here would compile a fill op per new shape while serving),
-        # placed with the mesh's batch layout in one go.
-        rows_state = shd.shard_batch(dict(
-            table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
-            num_verify=np.zeros((b,), np.int32), accept_lens=np.zeros((b, self.steps_per_call), np.int32),
-            draft_len=draft_len, sampling=self._sampling(rows, b)), e.mesh)
+        # Host arrays only: a jnp.zeros here would compile a fill op per new shape while serving.
+        inputs = dict(table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
+                      num_verify=np.zeros((b,), np.int32), accept_lens=np.zeros((b, self.steps_per_call), np.int32),
+                      draft_len=draft_len, sampling=self.sampling_inputs(rows, b))
+        return ("decode", k, b, ctx), inputs
+
+    def run_decode(self, key: tuple, inputs: dict) -> tuple[np.ndarray, ...]:
+        """(history, hist_len, done, accept_lens, num_verify, draft_len) after the call, on the host."""
+        e = self.engine
+        x = shd.shard_batch(inputs, e.mesh)
         draft = None
         if e.draft_cache is not None:
-            draft = DraftState(cache=e.draft_cache, draft_len=rows_state["draft_len"])
+            draft = DraftState(cache=e.draft_cache, draft_len=x["draft_len"])
         state = SpecState(
-            cache=e.cache, draft=draft, page_table=rows_state["table"], history=rows_state["history"],
-            hist_len=rows_state["hist_len"], prompt_lens=rows_state["prompt_lens"], done=rows_state["done"],
-            num_verify=rows_state["num_verify"], accept_lens=rows_state["accept_lens"],
-            sampling=rows_state["sampling"], corpus=e.corpus,
+            cache=e.cache, draft=draft, page_table=x["table"], history=x["history"], hist_len=x["hist_len"],
+            prompt_lens=x["prompt_lens"], done=x["done"], num_verify=x["num_verify"], accept_lens=x["accept_lens"],
+            sampling=x["sampling"], corpus=e.corpus,
         )
-        key = ("decode", k, b, ctx)
         self.compile([key])
         try:
             state = self._compiled[key](e.params, e.draft_params, state)
             e.cache = state.cache
             if state.draft is not None:
                 e.draft_cache = state.draft.cache
-            hist, new_len, done_out, acc, nv, dlen = shd.to_host(
-                (state.history, state.hist_len, state.done, state.accept_lens, state.num_verify,
-                 state.draft.draft_len if state.draft is not None else state.hist_len)
-            )
+            return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify,
+                                state.draft.draft_len if state.draft is not None else state.hist_len))
         finally:
             e._restore_donated_caches()
+
+    def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
+        """Up to steps_per_call iterations with draft length k; returns ([RowOutput], iterations run)."""
+        key, inputs = self.decode_inputs(k, rows, ctx)
+        return self.decode_outputs(rows, self.run_decode(key, inputs))
+
+    @staticmethod
+    def decode_outputs(rows: Sequence[RowInput], result: tuple[np.ndarray, ...]):
+        hist, new_len, done_out, acc, nv, dlen = result
         outs = []
         for i, r in enumerate(rows):
             n = len(r.tokens)
