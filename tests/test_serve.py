@@ -242,6 +242,7 @@ def test_metrics_cover_requests_latency_pages_and_speculation(served):
         assert name in text, name
     assert metric(url, "jaxspec_kv_pages_used") + metric(url, "jaxspec_kv_pages_free") == NUM_PAGES - 1
     current = server.scheduler.adaptive.current
-    for bucket, k in current.items():
-        assert metric(url, "jaxspec_spec_num_steps", {"batch_bucket": str(bucket)}) == k
+    assert current
+    for (b, ctx), k in current.items():
+        assert metric(url, "jaxspec_spec_num_steps", {"batch_bucket": str(b), "context_bucket": str(ctx)}) == k
     assert metric(url, "jaxspec_spec_verify_calls_total") > 0

@@ -203,8 +203,8 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
         log.close()
 
 
-def adaptive_choice(url: str) -> dict[int, int]:
-    """The server's current draft length per batch bucket (`jaxspec_spec_num_steps`)."""
+def adaptive_choice(url: str) -> dict[tuple[int, int], int]:
+    """The server's current draft length per (batch, context) bucket (`jaxspec_spec_num_steps`)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -212,7 +212,7 @@ def adaptive_choice(url: str) -> dict[int, int]:
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in fam.samples:
             if s.name == "jaxspec_spec_num_steps":
-                out[int(s.labels["batch_bucket"])] = int(s.value)
+                out[(int(s.labels["batch_bucket"]), int(s.labels["context_bucket"]))] = int(s.value)
     return dict(sorted(out.items()))
 
 
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     results, info = {}, {}
     for mode in args.modes.split(","):
         results[mode], info = serve_mode(mode, args, prompts, levels)
-        print(f"[{mode}] done; draft length per batch bucket: {info['adaptive'] or 'n/a'}", flush=True)
+        print(f"[{mode}] done; draft length per (batch, context) bucket: {info['adaptive'] or 'n/a'}", flush=True)
     hf_tps, roofline = hf_and_roofline(args, prompts) if args.hf_prompts else (float("nan"), float("nan"))
     base = {r["concurrency"]: r["tok_s"] for r in results.get("off", [])}
     rows = []

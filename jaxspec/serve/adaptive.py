@@ -7,9 +7,13 @@ so the best draft length falls, down to 0 (plain decoding).
 Model (chain drafts): r_i is the rate at which draft position i is accepted
 given position i-1 was, an EMA over observed verify steps. A step drafting k
 tokens commits E(k) = 1 + sum_{i<=k} prod_{j<=i} r_j tokens on average
-(bonus included). cost(k, b) is the seconds per iteration at batch bucket b:
-seeded by a start-up calibration, then an EMA of measured device calls. The
-choice maximises E(k) / cost(k, b); it switches only when the winner beats
+(bonus included). cost(k, bucket) is the seconds per iteration in a decode
+bucket (batch size, context): seeded by a start-up calibration of every
+bucket, then an EMA of measured device calls. The context is part of the key
+because a call's cost grows with it: were it left out, the draft length in use
+would be charged for long contexts while the others kept their cheap
+calibration, and the policy would drift towards whatever it is not using.
+The choice maximises E(k) / cost(k, bucket); it switches only when the winner beats
 the current choice by `hysteresis`, so noise does not flap it. Positions
 beyond the deepest one observed reuse its rate. While at k = 0 nothing is
 learned, so every `probe_every`-th call drafts the smallest k > 0.
@@ -17,11 +21,11 @@ learned, so every `probe_every`-th call drafts the smallest k > 0.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 
 class AdaptiveSteps:
-    def __init__(self, candidates: Sequence[int], cost: Mapping[tuple[int, int], float], *, ema: float = 0.1,
+    def __init__(self, candidates: Sequence[int], cost: Mapping[tuple, float], *, ema: float = 0.1,
                  hysteresis: float = 0.1, probe_every: int = 16, prior_rate: float = 0.5):
         self.candidates = tuple(sorted(set(candidates)))
         if not self.candidates or min(self.candidates) < 0:
@@ -33,8 +37,8 @@ class AdaptiveSteps:
         depth = max(self.candidates)
         self.rates = [prior_rate] * depth  # r_1..r_depth
         self.observed = [False] * depth
-        self.current: dict[int, int] = {}  # batch bucket -> k
-        self._calls_at_zero: dict[int, int] = {}
+        self.current: dict[Hashable, int] = {}  # bucket -> k
+        self._calls_at_zero: dict[Hashable, int] = {}
 
     # ---- model -------------------------------------------------------------------
 
@@ -52,16 +56,16 @@ class AdaptiveSteps:
             total += p
         return total
 
-    def score(self, k: int, b: int) -> float:
+    def score(self, k: int, b: Hashable) -> float:
         cost = self.cost.get((k, b))
         return self.expected_tokens(k) / cost if cost else 0.0
 
     # ---- policy ------------------------------------------------------------------
 
-    def best(self, b: int) -> int:
+    def best(self, b: Hashable) -> int:
         return max(self.candidates, key=lambda k: (self.score(k, b), -k))
 
-    def choose(self, b: int) -> int:
+    def choose(self, b: Hashable) -> int:
         cur = self.current.get(b)
         best = self.best(b)
         if cur is None or self.score(best, b) > (1 + self.hysteresis) * self.score(cur, b):
@@ -74,7 +78,7 @@ class AdaptiveSteps:
                 return min(k for k in self.candidates if k > 0)
         return cur
 
-    def observe(self, k: int, b: int, accept_lens: Sequence[int], seconds_per_iteration: float | None) -> None:
+    def observe(self, k: int, b: Hashable, accept_lens: Sequence[int], seconds_per_iteration: float | None) -> None:
         """accept_lens: committed tokens per verify step (num_accepted + 1) at draft length k."""
         if seconds_per_iteration and seconds_per_iteration > 0:
             old = self.cost.get((k, b))

@@ -38,8 +38,8 @@ class ServerMetrics:
         self.accept_rate = Gauge(p + "spec_accept_rate", "Accepted draft tokens / proposed draft tokens", registry=r)
         self.num_draft_tokens = Gauge(p + "spec_num_draft_tokens", "Draft tokens per verify step in the last call",
                                       registry=r)
-        self.num_steps = Gauge(p + "spec_num_steps", "Current adaptive draft length per batch-size bucket",
-                               ["batch_bucket"], registry=r)
+        self.num_steps = Gauge(p + "spec_num_steps", "Current draft length per decode bucket (batch, context)",
+                               ["batch_bucket", "context_bucket"], registry=r)
         self.verify_calls = Counter(p + "spec_verify_calls", "Verify steps (one per row per iteration)", registry=r)
         self.position_acceptance = Gauge(p + "spec_position_acceptance",
                                          "Fraction of verify steps accepting draft position i (1-based)",
@@ -74,14 +74,12 @@ class ServerMetrics:
         if seq.first_token_time is not None and seq.num_generated > 1:
             self.tpot.observe((time.perf_counter() - seq.first_token_time) / (seq.num_generated - 1))
 
-    def decode_call(self, k: int, b: int, accept_lens, drafted: int, adaptive) -> None:
+    def decode_call(self, k: int, bucket: tuple[int, int], accept_lens, drafted: int, adaptive) -> None:
         self.decode_calls.inc()
         self.num_draft_tokens.set(drafted)
-        if adaptive is not None:
-            for bucket, steps in adaptive.current.items():
-                self.num_steps.labels(str(bucket)).set(steps)
-        else:
-            self.num_steps.labels(str(b)).set(k)
+        current = adaptive.current if adaptive is not None else {bucket: k}
+        for (b, ctx), steps in current.items():
+            self.num_steps.labels(str(b), str(ctx)).set(steps)
         self.verify_calls.inc(len(accept_lens))
         for a in accept_lens:
             self.accept_length.observe(a)

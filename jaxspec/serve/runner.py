@@ -142,7 +142,7 @@ class ModelRunner:
             self._decode[k] = jax.jit(engine.pinned(fn), donate_argnums=(2,))
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
-        self.decode_seconds: dict[tuple[int, int], float] = {}  # (k, b) -> warm-up seconds per iteration
+        self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration
 
     # ---- buckets -----------------------------------------------------------------
 
@@ -199,21 +199,21 @@ class ModelRunner:
                 self._compiled[key] = lowered.compile()
             self.num_compiles += 1
 
-    def calibrate(self, ctx: int | None = None) -> None:
-        """Time one full decode call per (k, batch bucket) on dummy rows: the
-        adaptive policy's prior for draft lengths it has not tried yet."""
-        ctx = ctx or self.context_buckets[0]
+    def calibrate(self) -> None:
+        """Time a decode call per (k, batch bucket, context bucket) on dummy rows: the
+        adaptive policy's prior for draft lengths it has not tried yet in a bucket."""
         for k in self.candidates:
             for b in self.batch_buckets:
-                rows = [RowInput(tokens=[1] * 8, prompt_len=8, max_new=10**6, page_row=np.zeros(self.max_pages,
-                                 np.int32), draft_len=7, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())
-                        for _ in range(b)]
-                times = []
-                for _ in range(3):  # the first call warms up; the median of the rest
-                    t0 = time.perf_counter()
-                    _, iters = self.decode(k, rows, ctx)
-                    times.append((time.perf_counter() - t0) / max(iters, 1))
-                self.decode_seconds[(k, b)] = float(np.median(times[1:]))
+                for ctx in self.context_buckets:
+                    rows = [RowInput(tokens=[1] * 8, prompt_len=8, max_new=10**6,
+                                     page_row=np.zeros(self.max_pages, np.int32), draft_len=7, temperature=0.0,
+                                     top_k=0, top_p=1.0, seed=0, stop_ids=()) for _ in range(b)]
+                    times = []
+                    for _ in range(2):  # the first call warms up
+                        t0 = time.perf_counter()
+                        _, iters = self.decode(k, rows, ctx)
+                        times.append((time.perf_counter() - t0) / max(iters, 1))
+                    self.decode_seconds[(k, (b, ctx))] = times[-1]
 
     # ---- calls -------------------------------------------------------------------
 

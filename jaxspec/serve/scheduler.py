@@ -278,17 +278,17 @@ class Scheduler:
             return
         batch = list(self.running)
         b = next(x for x in r.batch_buckets if x >= len(batch))
-        k = self.adaptive.choose(b) if self.adaptive is not None else self.fixed_k
-        ctx = r.context_bucket(max(self._lookahead(s) for s in batch))
+        ctx = r.context_bucket(max(self._lookahead(s) for s in batch))  # independent of k: max_depth of all
+        k = self.adaptive.choose((b, ctx)) if self.adaptive is not None else self.fixed_k
         t0 = time.perf_counter()
         outs, iters = r.decode(k, [self._row(s) for s in batch], ctx)
         seconds = time.perf_counter() - t0
         self.num_decode_calls += 1
         accept = [a for o in outs for a in o.accept_lens]
         if self.adaptive is not None:
-            self.adaptive.observe(k, b, accept, seconds / iters if iters else None)
+            self.adaptive.observe(k, (b, ctx), accept, seconds / iters if iters else None)
         if self.metrics is not None:
-            self.metrics.decode_call(k, b, accept, max(r.plans[k].num_draft_tokens - 1, 0), self.adaptive)
+            self.metrics.decode_call(k, (b, ctx), accept, max(r.plans[k].num_draft_tokens - 1, 0), self.adaptive)
         for seq, out in zip(batch, outs):
             seq.draft_len = out.draft_len
             seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
