@@ -89,21 +89,26 @@ def test_streaming_equals_non_streaming(served, kind):
     if kind == "chat":
         kw["messages"] = [{"role": "user", "content": "Tell me about Paris 🇫🇷."}]
         full = c.chat.completions.create(**kw)
-        chunks = list(c.chat.completions.create(stream=True, **kw))
+        chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        plain = list(c.chat.completions.create(stream=True, **kw))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         want = full.choices[0].message.content
     else:
         kw["prompt"] = "Once upon a time"
         full = c.completions.create(**kw)
-        chunks = list(c.completions.create(stream=True, **kw))
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        plain = list(c.completions.create(stream=True, **kw))
         text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
         want = full.choices[0].text
     assert text == want
     reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert reasons == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    # Speculative steps commit several tokens at once and they go out together.
-    assert len([ch for ch in chunks if ch.choices]) <= full.usage.completion_tokens + 2
+    assert all(ch.choices for ch in plain)  # no usage chunk unless asked, as OpenAI
+    # Tokens committed in one device call (steps_per_call iterations) go out in one chunk:
+    # role chunk (chat) + the prefill's token + one chunk per call, not one per token.
+    n, steps = full.usage.completion_tokens, server.runner.steps_per_call
+    assert len([ch for ch in chunks if ch.choices]) <= 2 + -(-(n - 1) // steps) < n
 
 
 def test_seeded_sampling_is_reproducible_and_n_gives_n_choices(served):
@@ -140,7 +145,8 @@ def test_64_concurrent_streaming_clients_all_complete(served):
     async def one(c, i):
         rng = random.Random(i)
         n = rng.randint(4, 48)
-        kw = dict(model=server.model_name, max_tokens=n, temperature=rng.choice([0.0, 0.7]), seed=i, stream=True)
+        kw = dict(model=server.model_name, max_tokens=n, temperature=rng.choice([0.0, 0.7]), seed=i, stream=True,
+                  stream_options={"include_usage": True})
         if i % 2:
             stream = await c.chat.completions.create(messages=[{"role": "user", "content": f"Question {i}?"}], **kw)
         else:
@@ -206,6 +212,27 @@ def test_client_disconnect_mid_stream_frees_pages(served):
             assert server.runner.engine.allocator.num_used > 0
     assert wait_for_idle(server, timeout=10)
     assert metric(url, "jaxspec_requests_total", {"status": "abort"}) == aborted + 1
+
+
+def test_non_streaming_client_disconnect_frees_pages(served):
+    server, url = served
+    aborted = metric(url, "jaxspec_requests_total", {"status": "abort"})
+    body = {"model": server.model_name, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=0.3)  # the client gives up and hangs up
+    assert wait_for_idle(server, timeout=10)
+    assert metric(url, "jaxspec_requests_total", {"status": "abort"}) == aborted + 1  # cancelled, not finished
+
+
+def test_huge_top_k_is_rejected_and_others_keep_running(served):
+    server, url = served
+    c = client(url)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=server.model_name, prompt="x", max_tokens=3, extra_body={"top_k": 2**40})
+    r = c.completions.create(model=server.model_name, prompt="x", max_tokens=3, extra_body={"top_k": 5},
+                             temperature=1.0, seed=1)
+    assert r.usage.completion_tokens == 3
 
 
 def test_nothing_compiles_while_serving(served):

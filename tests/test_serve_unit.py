@@ -107,4 +107,23 @@ def test_parse_errors_name_the_field():
     with pytest.raises(APIError, match="JSON object"):
         parse_json_body(json.dumps([1]).encode())
     p = parse_gen_params({"prompt": "x", "unknown_field": {"a": 1}, "top_k": -1, "max_completion_tokens": 5}, 16)
-    assert p.top_k == 0 and p.max_tokens == 5 and p.include_usage
+    assert p.top_k == 0 and p.max_tokens == 5 and not p.include_usage  # OpenAI: usage chunk only when asked
+    p = parse_gen_params({"max_completion_tokens": None, "max_tokens": 7, "stream_options": {"include_usage": True}}, 16)
+    assert p.max_tokens == 7 and p.include_usage
+    with pytest.raises(APIError) as e:
+        parse_gen_params({"top_k": 2**40}, 16)
+    assert e.value.param == "top_k"
+
+
+def test_chat_template_errors_are_400():
+    from jaxspec.serve.protocol import parse_chat
+
+    class Strict:
+        chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+
+        def apply_chat_template(self, *a, **kw):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, Strict(), 16)
+    assert e.value.status == 400 and e.value.param == "messages" and "alternate" in e.value.message

@@ -79,7 +79,7 @@ def load_prompts(name: str, n: int) -> list[str]:
 
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "ignore_eos": True}
+            "temperature": temperature, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     tokens = 0

@@ -11,9 +11,11 @@ import dataclasses
 import hmac
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.serve import protocol
@@ -124,10 +126,11 @@ def create_app(server: Server) -> FastAPI:
                            "model", type_="not_found_error")
         check_ready()
         default_max = 16 if kind == "completion" else server.cfg.sampling.max_new_tokens
-        if kind == "completion":
-            parsed = protocol.parse_completion(body, server.tokenizer, server.vocab_size, default_max)
-        else:
-            parsed = protocol.parse_chat(body, server.tokenizer, default_max)
+        with server.scheduler.tokenizer_lock:  # shared with the scheduler thread's detokenizing
+            if kind == "completion":
+                parsed = protocol.parse_completion(body, server.tokenizer, server.vocab_size, default_max)
+            else:
+                parsed = protocol.parse_chat(body, server.tokenizer, default_max)
             room = server.max_context - len(parsed.prompts[0])
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None and room >= 1:
                 parsed = protocol.ParsedRequest(parsed.kind, parsed.prompts, dataclasses.replace(
@@ -146,11 +149,14 @@ def create_app(server: Server) -> FastAPI:
             for s in seqs:
                 server.scheduler.cancel(s)
             raise
-        prompt_tokens = sum(len(ids) for ids in parsed.prompts) * p.n
+        prompt_tokens = sum(len(ids) for ids in parsed.prompts)  # OpenAI counts a prompt once, whatever n
         rid = protocol.new_id(kind)
         if p.stream:
+            # The generator's `finally` cancels on disconnect, but a client gone before the first
+            # chunk never starts it; the background task runs either way.
             return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, p.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(_cancel_unfinished, server, seqs))
         return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens)
 
     @app.post("/v1/completions")
@@ -164,27 +170,37 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _cancel_unfinished(server: Server, seqs) -> None:
+    for s in seqs:  # no-op for finished sequences; frees the pages of abandoned ones
+        if s.finish_reason is None:
+            server.scheduler.cancel(s)
+
+
 async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, stream: _Stream,
                    prompt_tokens: int):
     texts = [""] * len(seqs)
     reasons: list[str | None] = [None] * len(seqs)
     completion_tokens = 0
+    last_check = time.monotonic()
     try:
         while any(r is None for r in reasons):
             try:
                 index, event = await asyncio.wait_for(stream.queue.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                index, event = None, None
+            # On a clock, not only when idle: a live request has events more often than the poll.
+            if time.monotonic() - last_check >= _DISCONNECT_POLL_S:
+                last_check = time.monotonic()
                 if await request.is_disconnected():
                     return Response(status_code=499)
+            if event is None:
                 continue
             texts[index] += event.text
             completion_tokens += len(event.token_ids)
             if event.finish_reason is not None:
                 reasons[index] = event.finish_reason
     finally:
-        for s in seqs:  # no-op for finished sequences; frees pages of abandoned ones
-            if s.finish_reason is None:
-                server.scheduler.cancel(s)
+        _cancel_unfinished(server, seqs)
     if "abort" in reasons:
         raise APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
                        type_="server_error")
@@ -218,7 +234,5 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
         yield "data: [DONE]\n\n"
     finally:
         # A client that went away cancels its sequences; their pages return within one device call.
-        for s in seqs:
-            if s.finish_reason is None:
-                server.scheduler.cancel(s)
+        _cancel_unfinished(server, seqs)
 

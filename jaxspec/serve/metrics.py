@@ -35,7 +35,8 @@ class ServerMetrics:
         self.decode_calls = Counter(p + "decode_calls", "Device decode calls", registry=r)
         self.accept_length = Histogram(p + "spec_accept_length", "Tokens committed per verify step (bonus included)",
                                        buckets=tuple(range(1, max_accept_length + 1)), registry=r)
-        self.accept_rate = Gauge(p + "spec_accept_rate", "Accepted draft tokens / proposed draft tokens", registry=r)
+        self.accept_rate = Gauge(p + "spec_accept_rate", "Accepted draft tokens / draft depth, per verify step",
+                                 registry=r)
         self.num_draft_tokens = Gauge(p + "spec_num_draft_tokens", "Draft tokens per verify step in the last call",
                                       registry=r)
         self.num_steps = Gauge(p + "spec_num_steps", "Current draft length per decode bucket (batch, context)",
@@ -74,7 +75,8 @@ class ServerMetrics:
         if seq.first_token_time is not None and seq.num_generated > 1:
             self.tpot.observe((time.perf_counter() - seq.first_token_time) / (seq.num_generated - 1))
 
-    def decode_call(self, k: int, bucket: tuple[int, int], accept_lens, drafted: int, adaptive) -> None:
+    def decode_call(self, k: int, bucket: tuple[int, int], accept_lens, drafted: int, depth: int, adaptive) -> None:
+        """drafted: draft tokens per verify step (tree nodes); depth: positions along one path."""
         self.decode_calls.inc()
         self.num_draft_tokens.set(drafted)
         current = adaptive.current if adaptive is not None else {bucket: k}
@@ -83,14 +85,15 @@ class ServerMetrics:
         self.verify_calls.inc(len(accept_lens))
         for a in accept_lens:
             self.accept_length.observe(a)
-            for i in range(drafted):
+            for i in range(depth):
                 self._reached[i] += 1
                 self._passed[i] += a - 1 > i
+        # Rate along the accepted path (tau - 1) / depth, so chains and trees compare.
         self._accepted += sum(a - 1 for a in accept_lens)
-        self._proposed += drafted * len(accept_lens)
+        self._proposed += depth * len(accept_lens)
         if self._proposed:
             self.accept_rate.set(self._accepted / self._proposed)
-        for i in range(drafted):
+        for i in range(depth):
             if self._reached[i]:
                 self.position_acceptance.labels(str(i + 1)).set(self._passed[i] / self._reached[i])
 

@@ -91,15 +91,15 @@ def parse_json_body(raw: bytes) -> dict:
 
 
 def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key)
     if max_tokens is None:
         max_tokens = default_max_tokens
     elif not _is_int(max_tokens) or max_tokens < 1:
         raise bad(key, f"must be an integer >= 1, got {json.dumps(max_tokens)[:60]}")
     temperature = float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
     top_p = float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
-    top_k = _get(body, "top_k", 0, lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0 = off)")
+    top_k = _get(body, "top_k", 0, lambda v: _is_int(v) and -1 <= v < 2**31, "an integer in [-1, 2^31) (-1 or 0 = off)")
     seed = _get(body, "seed", None, lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
     n = _get(body, "n", 1, lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
     stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "a boolean")
@@ -116,7 +116,7 @@ def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
     if any(not s for s in stop):
         raise bad("stop", "stop strings must be non-empty")
     opts = _get(body, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
-    include_usage = opts.get("include_usage", True)
+    include_usage = opts.get("include_usage", False)  # OpenAI: the usage chunk only when asked
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage", "must be a boolean")
     for key in ("logprobs", "top_logprobs", "echo", "best_of"):
@@ -202,7 +202,10 @@ def parse_chat(body: dict, tokenizer, default_max_tokens: int) -> ParsedRequest:
         raise bad("messages", str(e).removeprefix("messages: ")) from None
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions", "messages")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # the template itself may reject a conversation (jinja raise_exception)
+        raise bad("messages", f"the chat template rejected these messages: {str(e).splitlines()[0][:200]}") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return ParsedRequest("chat", [list(ids)], parse_gen_params(body, default_max_tokens))

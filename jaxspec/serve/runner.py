@@ -215,6 +215,13 @@ class ModelRunner:
                         times.append((time.perf_counter() - t0) / max(iters, 1))
                     self.decode_seconds[(k, (b, ctx))] = times[-1]
 
+    def reset_caches(self) -> None:
+        """Fresh zeroed caches after a failed call (whose outputs may be poisoned)."""
+        e = self.engine
+        e.cache = shd.zeros_cache(e.cache.k.shape, e.cache.k.dtype, e.mesh)
+        if e.draft_cache is not None:
+            e.draft_cache = shd.zeros_cache(e.draft_cache.k.shape, e.draft_cache.k.dtype, e.mesh)
+
     # ---- calls -------------------------------------------------------------------
 
     @staticmethod

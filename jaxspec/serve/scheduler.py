@@ -112,6 +112,9 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Fast tokenizers are not safe to call from two threads at once (request parsing
+        # encodes on the event loop while this thread decodes).
+        self.tokenizer_lock = threading.Lock()
         self.num_decode_calls = 0
         self.last_error: str | None = None
 
@@ -161,9 +164,11 @@ class Scheduler:
             except Exception as e:  # a failed device call must not take the server down
                 log.exception("scheduler step failed")
                 self.last_error = f"{type(e).__name__}: {e}"
-                for seq in self.waiting + collections.deque(self.prefilling + self.running):
+                # The caches may hold a half-finished call: start from zeroed ones, and abort the
+                # requests that had K/V there. Waiting requests hold none and keep their place.
+                self.runner.reset_caches()
+                for seq in self.prefilling + self.running:
                     self._finish(seq, "abort")
-                self.waiting.clear()
 
     # ---- one step -------------------------------------------------------------------
 
@@ -187,7 +192,7 @@ class Scheduler:
                 if seq.cancelled:
                     continue
                 if self.tokenizer is not None:
-                    seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+                    seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)  # no tokenizer call
                 seq.stopper = StopStringMatcher(seq.params.stop_strings)
                 self.waiting.append(seq)
             elif op == "cancel" and seq.status != Status.FINISHED:
@@ -288,7 +293,8 @@ class Scheduler:
         if self.adaptive is not None:
             self.adaptive.observe(k, (b, ctx), accept, seconds / iters if iters else None)
         if self.metrics is not None:
-            self.metrics.decode_call(k, (b, ctx), accept, max(r.plans[k].num_draft_tokens - 1, 0), self.adaptive)
+            plan = r.plans[k]
+            self.metrics.decode_call(k, (b, ctx), accept, plan.num_draft_tokens - 1, plan.max_depth, self.adaptive)
         for seq, out in zip(batch, outs):
             seq.draft_len = out.draft_len
             seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
@@ -298,7 +304,10 @@ class Scheduler:
 
     def _emit(self, seq: Seq, new: list[int], done: bool) -> None:
         seq.tokens.extend(new)
-        text = seq.detok.add(new, final=done) if seq.detok is not None else ""
+        text = ""
+        if seq.detok is not None:
+            with self.tokenizer_lock:
+                text = seq.detok.add(new, final=done)
         text, hit_stop_string = seq.stopper.feed(text)
         if done or hit_stop_string:
             if not hit_stop_string:

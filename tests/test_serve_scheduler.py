@@ -1,0 +1,76 @@
+"""The scheduler without HTTP: served tree plans, a standalone draft model through preemption.
+
+Reference: plain greedy `Engine.generate` of the same tiny target.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxspec.config import EngineSection, apply_overrides, load_config
+from jaxspec.engine import Engine, Request
+from jaxspec.models.loading import load_model
+from jaxspec.serve.scheduler import Seq, SeqParams, Status
+from jaxspec.serve.server import build_server
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57,
+                                             58, 59, 60, 61], [100, 3, 100, 3, 100], [9], [77, 78, 77, 78, 77, 78, 77]]
+NEW = 40
+
+
+def run_all(server, prompts, new):
+    """Submit everything at once and step the scheduler until all finish; tokens per prompt."""
+    sched, got, seqs = server.scheduler, {}, []
+    for i, p in enumerate(prompts):
+        seqs.append(Seq(list(p), SeqParams(max_new_tokens=new),
+                        lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
+        sched.submit(seqs[-1])
+    for _ in range(10_000):
+        if all(s.status == Status.FINISHED for s in seqs):
+            break
+        sched.step()
+    assert all(s.finish_reason == "length" for s in seqs)
+    return [got[i] for i in range(len(prompts))], seqs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    path, _ = tiny_dirs["llama"]
+    m = load_model(path, progress=False)
+    engine = Engine(m.params, m.config, EngineSection(max_batch_size=8, max_context=128, length_buckets=(32, 64, 128)),
+                    progress=False)
+    return [r.output_ids for r in engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])]
+
+
+def config(path, **extra):
+    return apply_overrides(load_config(None), {
+        "model.path": str(path), "engine.max_batch_size": 4, "engine.batch_buckets": "4",
+        "engine.max_context": 128, "engine.page_size": 4, "engine.length_buckets": "16,32,128",
+        "serve.context_buckets": "64", "serve.prefill_chunk": 16, "serve.max_prefill_batch": 2,
+        "serve.steps_per_call": 3, "serve.compilation_cache": "off", "spec.verify": "rejection", **extra})
+
+
+def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"spec.algorithm": "ngram", "spec.topk": 2, "spec.num_steps": 3,
+                                          "spec.num_draft_tokens": 8, "serve.adaptive": False}), progress=False)
+    assert not server.runner.plans[7].chain  # the fixed tree is served as configured
+    got, _ = run_all(server, PROMPTS, NEW)
+    assert got == reference
+    text = server.metrics.render().decode()
+    assert "jaxspec_spec_position_acceptance" in text and server.runner.engine.allocator.num_used == 0
+
+
+def test_standalone_drafter_through_preemption_is_exact(tiny_dirs, reference):
+    """A pool of 24 pages x 4 slots cannot hold five 50-token sequences with their lookahead:
+    sequences get preempted, recomputed (target and draft caches), and still match."""
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"spec.algorithm": "standalone", "spec.draft_layers": 1,
+                                          "spec.num_draft_tokens": 4, "serve.adaptive_steps": "0,3",
+                                          "engine.num_pages": 25}), progress=False)
+    server.runner.calibrate()
+    server.scheduler.adaptive.cost.update(server.runner.decode_seconds)
+    got, seqs = run_all(server, PROMPTS, NEW)
+    assert got == reference
+    assert sum(s.num_preemptions for s in seqs) > 0
+    assert server.runner.engine.allocator.num_used == 0
