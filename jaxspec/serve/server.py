@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from jaxspec.config import Config
 from jaxspec.serve.adaptive import AdaptiveSteps
 from jaxspec.serve.metrics import ServerMetrics
@@ -90,7 +92,12 @@ def _num_pages_from_memory(cfg: Config, model_cfg) -> int:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     itemsize = 4 if cfg.model.dtype == "float32" else 2
     per_page = 2 * model_cfg.num_layers * cfg.engine.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
-    return max(2, int(free * cfg.serve.kv_memory_fraction // per_page))
+    pages = max(2, int(free * cfg.serve.kv_memory_fraction // per_page))
+    if jax.process_count() > 1:  # every process must build the same cache shape: process 0's count
+        from jax.experimental import multihost_utils
+
+        pages = int(multihost_utils.broadcast_one_to_all(np.int32(pages)))
+    return pages
 
 
 def enable_compilation_cache(cfg: Config) -> None:
