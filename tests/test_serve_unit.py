@@ -93,6 +93,21 @@ def test_adaptive_hysteresis_and_probing():
     assert a.choose(4) == 2
 
 
+def test_adaptive_live_costs_replace_the_calibration():
+    """Calibration says drafting 3 is nearly free; live calls say it costs 2x. Periodic exploration
+    measures k = 0 live too, and the policy settles on k = 0."""
+    a = AdaptiveSteps((0, 3), {(0, "b"): 1.0, (3, "b"): 1.1}, hysteresis=0.1, probe_every=2)
+    for _ in range(3):
+        a.observe(3, "b", [2, 1, 1, 1], None)  # tau 1.25, no timing yet
+    assert a.choose("b") == 3  # 1.25 / 1.1 beats 1 / 1.0 on calibration alone
+    ran = []
+    for _ in range(12):
+        k = a.choose("b")
+        ran.append(k)
+        a.observe(k, "b", [2, 1, 1, 1] if k else [1] * 4, 2.0 if k == 3 else 1.0)
+    assert 0 in ran and a.current["b"] == 0
+
+
 def test_parse_errors_name_the_field():
     ids = [1, 2]
     for body, param in [({"prompt": ids, "max_tokens": True}, "max_tokens"), ({"prompt": ids, "n": 0}, "n"),

@@ -15,8 +15,13 @@ would be charged for long contexts while the others kept their cheap
 calibration, and the policy would drift towards whatever it is not using.
 The choice maximises E(k) / cost(k, bucket); it switches only when the winner beats
 the current choice by `hysteresis`, so noise does not flap it. Positions
-beyond the deepest one observed reuse its rate. While at k = 0 nothing is
-learned, so every `probe_every`-th call drafts the smallest k > 0.
+beyond the deepest one observed reuse its rate.
+
+Exploration: every `probe_every`-th call in a bucket runs another candidate
+(round robin), so every cost in the comparison is a live measurement, not
+only the start-up calibration (which misses host overhead and real drafts;
+comparing a live cost against calibrated ones biased the choice), and
+acceptance keeps being measured while at k = 0.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ class AdaptiveSteps:
         self.rates = [prior_rate] * depth  # r_1..r_depth
         self.observed = [False] * depth
         self.current: dict[Hashable, int] = {}  # bucket -> k
-        self._calls_at_zero: dict[Hashable, int] = {}
+        self._calls: dict[Hashable, int] = {}
+        self._probe_turn: dict[Hashable, int] = {}
+        self._live: set = set()  # (k, bucket) costs measured while serving
 
     # ---- model -------------------------------------------------------------------
 
@@ -71,17 +78,21 @@ class AdaptiveSteps:
         if cur is None or self.score(best, b) > (1 + self.hysteresis) * self.score(cur, b):
             cur = best
         self.current[b] = cur
-        if cur == 0 and len(self.candidates) > 1:
-            n = self._calls_at_zero.get(b, 0) + 1
-            self._calls_at_zero[b] = n
-            if n % self.probe_every == 0:
-                return min(k for k in self.candidates if k > 0)
+        n = self._calls.get(b, 0) + 1
+        self._calls[b] = n
+        others = [k for k in self.candidates if k != cur]
+        if others and n % self.probe_every == 0:
+            turn = self._probe_turn.get(b, 0)
+            self._probe_turn[b] = turn + 1
+            return others[turn % len(others)]
         return cur
 
     def observe(self, k: int, b: Hashable, accept_lens: Sequence[int], seconds_per_iteration: float | None) -> None:
         """accept_lens: committed tokens per verify step (num_accepted + 1) at draft length k."""
         if seconds_per_iteration and seconds_per_iteration > 0:
-            old = self.cost.get((k, b))
+            # The first live measurement replaces the calibration outright.
+            old = self.cost.get((k, b)) if (k, b) in self._live else None
+            self._live.add((k, b))
             self.cost[(k, b)] = seconds_per_iteration if old is None else (
                 (1 - self.ema) * old + self.ema * seconds_per_iteration)
         if k == 0 or not accept_lens:
