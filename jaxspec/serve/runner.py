@@ -30,7 +30,7 @@ import numpy as np
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
 from jaxspec.models import sharding as shd
 from jaxspec.models.llama import forward
-from jaxspec.spec.loop import SpecPlan, SpecState, spec_iteration
+from jaxspec.spec.loop import SpecPlan, SpecState, make_spec_decode_fn
 from jaxspec.spec.sampling import sample_token
 from jaxspec.spec.standalone import DraftState, StandaloneDrafter
 
@@ -85,21 +85,6 @@ def make_chunk_prefill_fn(cfg, draft_cfg):
     return prefill_fn
 
 
-def make_bounded_decode_fn(plan: SpecPlan, cfg, drafter, max_iters: int):
-    def decode_fn(params, draft_params, state: SpecState) -> SpecState:
-        def cond(carry):
-            it, s = carry
-            return (it < max_iters) & ~jnp.all(s.done)
-
-        def body(carry):
-            it, s = carry
-            return it + 1, spec_iteration(plan, cfg, drafter, params, draft_params, s)
-
-        return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
-
-    return decode_fn
-
-
 class ModelRunner:
     """Compiled prefill/decode executables over an Engine's params and caches."""
 
@@ -138,7 +123,7 @@ class ModelRunner:
                 drafter = StandaloneDrafter(draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
                                             sample_drafts=plan.verify == "rejection",
                                             catch_up_width=self.max_depth + 1)
-            fn = make_bounded_decode_fn(plan, self.cfg, drafter, steps_per_call)
+            fn = make_spec_decode_fn(plan, self.cfg, drafter, max_iters=steps_per_call)
             self._decode[k] = jax.jit(engine.pinned(fn), donate_argnums=(2,))
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0

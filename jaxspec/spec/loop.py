@@ -248,13 +248,22 @@ def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_para
     return commit_phase(s, cache, draft_state, tokens, result)
 
 
-def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter):
+def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter, max_iters: int | None = None):
+    """Iterate until every row is done, or for at most `max_iters` iterations (the
+    server's bounded calls, so requests can join between them)."""
+
     def decode_fn(params, draft_params, state: SpecState) -> SpecState:
+        if max_iters is None:
+            return jax.lax.while_loop(
+                lambda s: ~jnp.all(s.done),
+                lambda s: spec_iteration(plan, cfg, drafter, params, draft_params, s),
+                state,
+            )
         return jax.lax.while_loop(
-            lambda s: ~jnp.all(s.done),
-            lambda s: spec_iteration(plan, cfg, drafter, params, draft_params, s),
-            state,
-        )
+            lambda c: (c[0] < max_iters) & ~jnp.all(c[1].done),
+            lambda c: (c[0] + 1, spec_iteration(plan, cfg, drafter, params, draft_params, c[1])),
+            (jnp.int32(0), state),
+        )[1]
 
     return decode_fn
 
