@@ -42,6 +42,11 @@ class EngineSection:
     # "scan" (compile time independent of depth), "unrolled" (per-layer weight
     # buffers; ~1.6x faster forwards on XLA:CPU) or "auto" (unrolled on CPU only).
     layer_loop: str = "auto"
+    # Float32 forwards on XLA:CPU: "native" (jaxspec.native C++ FFI kernels: matmul
+    # over column-tiled weights, so a verify block or batch of ~8 rows costs about
+    # one row's weight traffic, and paged attention read in place), "xla" (XLA's
+    # own ops) or "auto" (native on a single CPU device when the kernels build).
+    cpu_kernels: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Config:
             (self.model.dtype in ("float32", "bfloat16"), "model.dtype must be float32 or bfloat16"),
             (e.page_size >= 1, "engine.page_size must be >= 1"),
             (e.layer_loop in ("auto", "scan", "unrolled"), "engine.layer_loop must be auto, scan or unrolled"),
+            (e.cpu_kernels in ("auto", "native", "xla"), "engine.cpu_kernels must be auto, native or xla"),
             (e.num_pages >= 0, "engine.num_pages must be >= 0 (0 = automatic)"),
             (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),
             (e.max_context >= 2, "engine.max_context must be >= 2"),

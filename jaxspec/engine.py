@@ -37,6 +37,7 @@ from jaxspec.config import EngineSection
 from jaxspec.models import sharding as shd
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
+from jaxspec.native.build import use_native_kernels
 from jaxspec.spec.sampling import sample_token
 
 MAX_STOP_IDS = 8
@@ -209,7 +210,9 @@ class Engine:
         self.mesh = mesh
         loop = engine_cfg.layer_loop
         self._unstack = None if loop == "auto" else loop == "unrolled"
-        self.params = shd.shard_params(prepare_params(params, cfg, unstack=self._unstack), cfg, mesh)
+        self._native = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
+        self.params = shd.shard_params(prepare_params(params, cfg, unstack=self._unstack, native=self._native),
+                                       cfg, mesh)
         self.cfg = cfg
         self.ecfg = engine_cfg
         self.progress = progress
@@ -254,7 +257,8 @@ class Engine:
             dparams, dcfg = draft
             if self.mesh is not None:
                 shd.validate_for_model(self.mesh, dcfg, "draft model")
-            self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack), dcfg, self.mesh)
+            self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack,
+                                                                    native=self._native), dcfg, self.mesh)
             if dcfg.vocab_size != self.cfg.vocab_size:
                 raise RequestError(
                     f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "

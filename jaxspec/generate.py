@@ -266,12 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.prompts import PromptError
     from jaxspec.cache.paged import OutOfPagesError
     from jaxspec.spec.algorithm import SpecConfigError
+    from jaxspec.native.build import NativeKernelError
 
     args = build_parser().parse_args(argv)
     try:
         return run(args)
     except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError,
-            MeshError, OSError) as e:
+            MeshError, NativeKernelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -54,6 +54,11 @@ def main(argv=None) -> int:
     model = load_model(args.model, dtype=jnp.float32)
     prompts = chat_ids(model.tokenizer, CHAT_PROMPTS)
     engine = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512), progress=True)
+    # The same engine on XLA's own CPU ops, to show what the native kernels buy (CPU only).
+    xla_engine = None
+    if jax.default_backend() == "cpu" and engine._native:
+        xla_engine = Engine(model.params, model.config,
+                            EngineSection(max_batch_size=8, max_context=512, cpu_kernels="xla"), progress=True)
     weight_bytes = param_bytes(model.params)
     bw = measure_read_bandwidth()
     roofline_tps = bw / weight_bytes  # tokens/s at batch 1 if only weights were read
@@ -61,6 +66,10 @@ def main(argv=None) -> int:
     n = args.max_new_tokens
     j1, step1 = jaxspec_tps(engine, prompts[: args.batch_one_prompts], n, 1, args.reps)
     j8, step8 = jaxspec_tps(engine, prompts[:8], n, 8, args.reps)
+    x1 = x8 = xs1 = xs8 = float("nan")
+    if xla_engine is not None:
+        x1, xs1 = jaxspec_tps(xla_engine, prompts[: args.batch_one_prompts], n, 1, args.reps)
+        x8, xs8 = jaxspec_tps(xla_engine, prompts[:8], n, 8, args.reps)
     h1 = h8 = float("nan")
     if not args.no_hf:
         import torch
@@ -81,5 +90,11 @@ def main(argv=None) -> int:
             [8, j8, h8, j8 / h8, step8, 8 * roofline_tps, f"{100 * j8 / (8 * roofline_tps):.0f}%"],
         ],
     )
-    print(f"\nbatch-8 / batch-1 throughput: jaxspec {j8 / j1:.2f}x, HF {h8 / h1:.2f}x")
+    if xla_engine is not None:
+        print("\nthe same engine on XLA's own CPU ops (engine.cpu_kernels = xla):")
+        print_table(["batch", "tok/s", "ms per step", "native kernels / XLA ops"],
+                    [[1, x1, xs1, j1 / x1], [8, x8, xs8, j8 / x8]])
+    ratio = lambda a, b: "n/a" if a != a or b != b else f"{a / b:.2f}x"  # noqa: E731 (NaN: not run)
+    print(f"\nbatch-8 / batch-1 throughput: jaxspec {j8 / j1:.2f}x, jaxspec on XLA ops {ratio(x8, x1)}, "
+          f"HF {ratio(h8, h1)}")
     return 0

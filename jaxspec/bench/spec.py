@@ -49,13 +49,14 @@ def run_hf(hf, prompts, max_new: int, lookup: int = 0) -> float:
     return hf_generate_tps(hf, prompts, max_new, batch=1, lookup=lookup)
 
 
-def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict[int, float]:
+def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15, cpu_kernels: str = "auto") -> dict[int, float]:
     """Median ms of one target forward over T query tokens at a 256-token prefix."""
     from jaxspec.cache.paged import KVCache
     from jaxspec.models.llama import forward, prepare_params
+    from jaxspec.native.build import use_native_kernels
 
     c = model.config
-    params = prepare_params(model.params, c)
+    params = prepare_params(model.params, c, native=use_native_kernels(cpu_kernels, model.params["embed"].dtype, None))
     cache = KVCache.zeros(c.num_layers, 1 + 32, 16, c.num_kv_heads, c.head_dim)
     pt = jnp.arange(1, 33, dtype=jnp.int32)[None]
     out = {}
@@ -126,9 +127,12 @@ def main(argv=None) -> int:
           f"{n} prompts per set, medians")
     print_table(["prompts", "method", "tau", "tok/s", "vs jaxspec plain", "vs HF generate"], rows)
 
+    # The engine's native CPU kernels beside XLA's own ops, to show what the kernels buy.
     cost = verify_cost(model)
+    xla = verify_cost(model, cpu_kernels="xla")
     print("\nverify forward cost (one target forward over T tokens, 256-token prefix, median ms):")
-    print_table(["T", "ms", "vs T=1"], [[t, ms, ms / cost[1]] for t, ms in cost.items()])
+    print_table(["T", "ms", "vs T=1", "ms (XLA ops)", "vs T=1 (XLA ops)"],
+                [[t, ms, ms / cost[1], xla[t], xla[t] / xla[1]] for t, ms in cost.items()])
 
     if not args.no_sweep:
         prompts = sets["MT-Bench"][:1]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.native.packed_matmul import PackedWeight, packed_matmul
 
 
 def rms_norm(
@@ -23,8 +24,10 @@ def rms_norm(
 
 def linear(
     x: jax.Array,  # [..., in]
-    w: jax.Array,  # [in, out]  (runtime layout, see models.llama.prepare_params)
+    w,  # [in, out] array, or a PackedWeight (runtime layout, see models.llama.prepare_params)
 ) -> jax.Array:  # [..., out]
+    if isinstance(w, PackedWeight):
+        return packed_matmul(x, w)
     # [in, out] measured 15-25% faster than Hugging Face's [out, in] on XLA:CPU
     # for 2-16 rows (the verify and batched-decode shapes), and equal at 1 row.
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype) if w.dtype != x.dtype else w)

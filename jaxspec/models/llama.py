@@ -16,6 +16,8 @@ from jaxspec.cache.attention import attention_with_block_ref, paged_attention
 from jaxspec.cache.paged import KVCache, slot_to_page, write_layer_kv
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
+from jaxspec.native.packed_matmul import PackedWeight
+from jaxspec.native.paged_attention import MAX_QUERIES, paged_attention_native
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +51,13 @@ def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offse
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     page_table, q_start, kv_len, tree_mask = attn_args
-    if write_cache:
+    if write_cache and isinstance(lp["wq"], PackedWeight) and t <= MAX_QUERIES:
+        # Native CPU params: attention reads the whole cache in place (no per-layer slice copy).
+        cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
+        out = paged_attention_native(
+            q, cache_k, cache_v, layer, page_table, q_start, kv_len, tree_mask, scale=cfg.head_dim**-0.5,
+        )
+    elif write_cache:
         cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
         out = paged_attention(
             q, cache_k[layer], cache_v[layer], page_table, q_start, kv_len, tree_mask,
@@ -146,7 +154,7 @@ def default_unstack() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = None) -> dict:
+def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = None, native: bool = False) -> dict:
     """Loaded (Hugging Face layout, stacked) params -> the runtime layout `forward` reads.
 
     * Matrices become [in, out] and the LM head a separate `head` [hidden, vocab]
@@ -158,6 +166,11 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
       before every dot, which costs ~1.6x per forward (measured 45 -> 28 ms at
       T=1, 90 -> 56 ms at T=8 on SmolLM2). The price is compile time that grows
       with depth (~0.5 s -> ~4 s for 30 layers).
+    * With `native` (XLA:CPU, float32; see `jaxspec.native.build.use_native_kernels`)
+      every matrix and the LM head become `PackedWeight` column tiles for the
+      native matmul, so a verify block or batch of up to ~8 rows costs about one
+      row's weight traffic; packed weights also route short-block attention to
+      the native paged-attention kernel (`_attention_block`).
     """
     if "head" in params:
         return params
@@ -165,6 +178,11 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
     layers = {k: (jnp.swapaxes(v, -1, -2) if k in MATRICES else v) for k, v in params["layers"].items()}
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     out = {"embed": params["embed"], "final_norm": params["final_norm"], "head": jnp.asarray(head.T)}
+    if native:
+        from jaxspec.native.packed_matmul import pack_weight
+
+        layers = {k: (pack_weight(v) if k in MATRICES else v) for k, v in layers.items()}
+        out["head"] = pack_weight(out["head"])
     if unstack:
         out["layers"] = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(cfg.num_layers)]
     else:

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.models.sharding import MeshError, setup_mesh
     from jaxspec.serve.app import create_app
     from jaxspec.serve.server import build_server
+    from jaxspec.native.build import NativeKernelError
     from jaxspec.spec.algorithm import SpecConfigError
 
     args = build_parser().parse_args(argv)
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         mesh = setup_mesh(args)  # the Engine checks the model against it
         server = build_server(cfg, mesh=mesh, progress=True)
-    except (ConfigValueError, SpecConfigError, ConfigError, LoadError, MeshError, OSError, ValueError) as e:
+    except (ConfigValueError, SpecConfigError, ConfigError, LoadError, MeshError, NativeKernelError, OSError,
+            ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import jax

@@ -1,0 +1,42 @@
+"""Paged attention for short query blocks on XLA:CPU: the FFI kernel (paged_attention.cc).
+
+Its reference is `jaxspec.cache.attention.paged_attention_ref` (same arguments,
+with the layer's pages sliced out of the whole cache). Built and registered by
+`jaxspec.native.build`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.native.build import ensure_registered
+
+TARGET = "jaxspec_paged_attention"
+# Longer blocks (prefill chunks) go to the reference: its two dots become real
+# GEMMs there, while this kernel does one dot product per (query, key) pair.
+MAX_QUERIES = 32
+
+
+def paged_attention_native(
+    q: jax.Array,  # [B, T, H, hd] float32
+    cache_k: jax.Array,  # [L, P, page_size, kvh, hd] float32, the whole cache
+    cache_v: jax.Array,  # [L, P, page_size, kvh, hd]
+    layer: jax.Array | int,  # scalar: which layer's pages to read
+    page_table: jax.Array,  # [B, max_pages] int32
+    q_start: jax.Array,  # [B] int32 slot of the block's first query
+    kv_len: jax.Array,  # [B] int32 valid slots after the block is written
+    tree_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
+    *,
+    scale: float,
+) -> jax.Array:  # [B, T, H, hd]
+    ensure_registered()
+    causal = tree_mask is None
+    mask = jnp.zeros((1, 1, 1), bool) if causal else tree_mask.astype(bool)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(
+        q.astype(jnp.float32), cache_k, cache_v, jnp.asarray(layer, jnp.int32),
+        page_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32), mask,
+        scale=np.float32(scale), causal=causal,
+    )
