@@ -105,7 +105,8 @@ def _attention_case(rng, b, t, h, kvh, hd, page_size, tree, num_layers=2):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
-    shape=st.sampled_from([(1, 1, 9, 3, 64), (2, 8, 4, 2, 16), (3, 5, 6, 3, 8), (2, 4, 4, 4, 24), (1, 16, 8, 2, 72)]),
+    shape=st.sampled_from([(1, 1, 9, 3, 64), (2, 8, 4, 2, 16), (3, 5, 6, 3, 8), (2, 4, 4, 4, 24), (1, 16, 8, 2, 72),
+                           (1, 6, 4, 1, 32)]),  # last: one KV head, so the query block is split over threads
     page_size=st.sampled_from([1, 16]),
     tree=st.booleans(),
 )
@@ -182,3 +183,20 @@ def test_missing_compiler_is_a_clear_error_or_a_warned_fallback(tmp_path):
         """, env)
     assert "USED False" in auto.stdout, auto.stderr
     assert "warning: no C++ compiler found" in auto.stderr
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_native_attention_with_inflight_block_equals_reference(tree):
+    from jaxspec.cache.attention import attention_with_block_ref
+
+    rng = np.random.default_rng(5 + tree)
+    b, t, h, kvh, hd = 2, 6, 6, 3, 16
+    q, ck, cv, pt, qs, kl, mask = _attention_case(rng, b, t, h, kvh, hd, 4, tree)
+    k_block = jnp.asarray(rng.standard_normal((b, t, kvh, hd), dtype=np.float32))
+    v_block = jnp.asarray(rng.standard_normal((b, t, kvh, hd), dtype=np.float32))
+    got = attention_native(q, ck, cv, 1, pt, qs, qs + t, mask, k_block, v_block, scale=0.25)
+    want = attention_with_block_ref(q, ck[1], cv[1], pt, qs, k_block, v_block, mask, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="both"):
+        paged_attention_native(q, ck, cv, 1, pt, qs, qs + t, mask, k_block, None, scale=0.25)
+

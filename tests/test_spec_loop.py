@@ -203,3 +203,27 @@ def _fresh_prefill(params, cfg, tokens, cache, page_table, kv_len):
     b, t = tokens.shape
     return forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, page_table,
                    q_start=jnp.zeros(b, jnp.int32), kv_len=kv_len).cache
+
+
+@pytest.mark.parametrize("spec_kw", [
+    dict(algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4),
+    dict(algorithm="ngram", topk=2, num_steps=2, num_draft_tokens=5),
+    dict(algorithm="standalone", topk=1, num_steps=2, num_draft_tokens=3),
+    dict(algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4, simulate_accept_length=2),
+], ids=["ngram-chain", "ngram-tree", "standalone-chain", "synthetic"])
+def test_loop_body_never_copies_the_cache(llama, spec_kw):
+    # A whole-cache copy per iteration costs more than the verify forward on a
+    # large pool. It crept in once: with forced acceptance the chain's (no-op) KV
+    # move did not depend on the forward, so XLA scheduled it beside the last
+    # layer's attention and copied the cache to allow that. The compiled loop
+    # must update the carry in place.
+    import re
+
+    engine = spec_engine(llama[0], **spec_kw)
+    engine.generate([Request([5, 17, 33, 9], max_new_tokens=8)])
+    cache_shape = ",".join(map(str, engine.cache.k.shape))
+    for key, executable in engine._compiled.items():
+        if key[0] != "decode":
+            continue
+        copies = re.findall(rf"= f32\[{cache_shape}\]\S* copy\(", executable.as_text())
+        assert not copies, f"{key}: {len(copies)} whole-cache copies in the decode loop"

@@ -440,3 +440,14 @@ def test_greedy_requests_agree_across_verifiers():
     assert_same(verify_rejection_ref(tokens, nt, ns, probs, q, u, e, max_depth=5), want)
     assert_same(verify_rejection_ref(tokens, nt, ns, probs, None, u, e, max_depth=5), want)
     assert_same(verify_target_only_ref(tokens, nt, ns, probs, u, e, max_depth=5), want)
+
+
+def test_argmax_last_equals_jnp_argmax_with_ties():
+    from jaxspec.spec.sampling import argmax_last
+
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, size=(5, 4, 300)).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(x))), np.argmax(x, axis=-1))
+    y = np.full((2, 9), -np.inf, np.float32)
+    y[1, 4] = 0.0
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(y))), [0, 4])

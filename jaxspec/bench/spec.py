@@ -30,18 +30,32 @@ def engine_for(model, spec_kw: dict | None, draft=None):
     return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)
 
 
-def run_engine(engine, prompts, max_new: int) -> tuple[float, float]:
-    """(median decode tokens/s, tau) at batch 1; the first prompt also warms the bucket."""
+def run_engine(engine, prompts, max_new: int, warm: bool = True) -> tuple[list[float], list[int]]:
+    """(decode tokens/s per prompt, accept lengths) at batch 1; `warm` first runs prompt 0 once."""
     from jaxspec.engine import Request
 
-    engine.generate([Request(prompts[0], max_new_tokens=max_new)])
+    if warm:
+        engine.generate([Request(prompts[0], max_new_tokens=max_new)])
     rates, lens = [], []
     for p in prompts:
         res = engine.generate([Request(p, max_new_tokens=max_new)])[0]
         t = engine.last_timing
         rates.append(t["new_tokens"] / t["decode_s"])
         lens += res.accept_lengths or []
-    return median(rates), (float(np.mean(lens)) if lens else 1.0)
+    return rates, lens
+
+
+def run_interleaved(engines: dict, prompts, max_new: int, reps: int) -> dict[str, tuple[float, float]]:
+    """{name: (median tok/s, tau)}. Methods take turns within each repetition, so the
+    slow drift of a noisy machine hits all of them alike instead of whichever ran last."""
+    rates = {name: [] for name in engines}
+    lens = {name: [] for name in engines}
+    for rep in range(reps):
+        for name, eng in engines.items():
+            r, acc = run_engine(eng, prompts, max_new, warm=rep == 0)
+            rates[name] += r
+            lens[name] += acc
+    return {name: (median(rates[name]), float(np.mean(lens[name])) if lens[name] else 1.0) for name in engines}
 
 
 def run_hf(hf, prompts, max_new: int, lookup: int = 0) -> float:
@@ -59,14 +73,20 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15, cpu_kernels: str 
     params = prepare_params(model.params, c, native=use_native_kernels(cpu_kernels, model.params["embed"].dtype, None))
     cache = KVCache.zeros(c.num_layers, 1 + 32, 16, c.num_kv_heads, c.head_dim)
     pt = jnp.arange(1, 33, dtype=jnp.int32)[None]
-    out = {}
+    calls = {}
     for t in sizes:
-        f = jax.jit(lambda p, ca, tok, pos: forward(p, c, tok, pos, ca, pt, q_start=jnp.array([256]),
-                                                    kv_len=jnp.array([256 + t])).logits)
+        f = jax.jit(lambda p, ca, tok, pos, t=t: forward(p, c, tok, pos, ca, pt, q_start=jnp.array([256]),
+                                                         kv_len=jnp.array([256 + t])).logits)
         tok = jnp.ones((1, t), jnp.int32)
         pos = 256 + jnp.arange(t)[None]
         f(params, cache, tok, pos).block_until_ready()
-        out[t] = 1000 * median(timed(lambda: f(params, cache, tok, pos).block_until_ready(), reps))
+        calls[t] = lambda f=f, tok=tok, pos=pos: f(params, cache, tok, pos).block_until_ready()
+    # Round-robin over T, so machine drift during the run hits every width alike.
+    times = {t: [] for t in sizes}
+    for _ in range(reps):
+        for t in sizes:
+            times[t] += timed(calls[t], 1)
+    out = {t: 1000 * median(ts) for t, ts in times.items()}
     return out
 
 
@@ -78,6 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-layers", type=int, default=20)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--reps", type=int, default=2, help="interleaved repetitions of every jaxspec method")
     args = p.parse_args(argv)
 
     from jaxspec.bench.prompts import humaneval_rewrite_prompts, mtbench_questions, repeat_prompts
@@ -111,12 +132,12 @@ def main(argv=None) -> int:
 
     rows = []
     for set_name, prompts in sets.items():
-        base, _ = run_engine(engines["jaxspec plain"], prompts, new)
+        chosen = {name: eng for name, eng in engines.items()
+                  if set_name == "MT-Bench" or not name.startswith("jaxspec truncated")}
+        measured = run_interleaved(chosen, prompts, new, args.reps)
+        base = measured["jaxspec plain"][0]
         hf_plain = run_hf(hf, prompts, new) if hf else float("nan")
-        for name, eng in engines.items():
-            if name.startswith("jaxspec truncated") and set_name != "MT-Bench":
-                continue
-            tps, tau = (base, 1.0) if name == "jaxspec plain" else run_engine(eng, prompts, new)
+        for name, (tps, tau) in measured.items():
             rows.append([set_name, name, tau, tps, tps / base, tps / hf_plain])
         if hf:
             rows.append([set_name, "HF generate", 1.0, hf_plain, hf_plain / base, 1.0])
@@ -136,11 +157,12 @@ def main(argv=None) -> int:
 
     if not args.no_sweep:
         prompts = sets["MT-Bench"][:1]
-        base, _ = run_engine(engines["jaxspec plain"], prompts, new)
+        base = median(run_engine(engines["jaxspec plain"], prompts, new)[0])
         sweep = []
         for L in range(1, 9):
             kw = dict(algorithm="ngram", topk=1, num_steps=8, num_draft_tokens=9, simulate_accept_length=L)
-            tps, tau = run_engine(engine_for(model, kw), prompts, new)
+            rates, lens = run_engine(engine_for(model, kw), prompts, new)
+            tps, tau = median(rates), float(np.mean(lens))
             sweep.append([L, tau, tps, tps / base])
         print("\nsynthetic acceptance sweep (n-gram chain of 8, acceptance forced to L; output NOT exact):")
         print_table(["L", "tau", "tok/s", "vs jaxspec plain"], sweep)

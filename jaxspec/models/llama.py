@@ -51,11 +51,16 @@ def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offse
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     page_table, q_start, kv_len, tree_mask = attn_args
-    if write_cache and isinstance(lp["wq"], PackedWeight) and t <= MAX_QUERIES:
+    native = isinstance(lp["wq"], PackedWeight) and t <= MAX_QUERIES
+    if native:
         # Native CPU params: attention reads the whole cache in place (no per-layer slice copy).
-        cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
+        if write_cache:
+            cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
+            block = {}
+        else:
+            kv_len, block = q_start + t, dict(k_block=k, v_block=v)
         out = paged_attention_native(
-            q, cache_k, cache_v, layer, page_table, q_start, kv_len, tree_mask, scale=cfg.head_dim**-0.5,
+            q, cache_k, cache_v, layer, page_table, q_start, kv_len, tree_mask, scale=cfg.head_dim**-0.5, **block,
         )
     elif write_cache:
         cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)

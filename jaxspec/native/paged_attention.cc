@@ -12,6 +12,10 @@
 // query rows, and everything runs in one call. The cache is passed whole ([L, P, ...] plus a layer index) because a
 // per-layer slice would be materialised as a copy for the custom call.
 //
+// With k_block/v_block the block's own K/V are read from those arrays instead
+// of the cache (the verify-width switch of the n-gram loop only reads the
+// cache and writes the block after the switch; see spec/loop._verify_forward).
+//
 // A query row with no visible slot (an empty padding sequence) gets zeros; the
 // reference gives a finite average there. Neither is ever read.
 #include <algorithm>
@@ -74,13 +78,16 @@ struct Dims {
 // to a multiple of 64 slots, so padded slots add exact zeros).
 void attend(const Dims& d, const float* q, const float* cache_k, const float* cache_v, int64_t layer,
             const int32_t* page_table, const int32_t* q_start, const int32_t* kv_len, const bool* mask,
-            bool causal, float scale, float* out, int64_t b, int64_t kh, int64_t t0, int64_t t1) {
+            const float* k_block, const float* v_block, bool causal, float scale, float* out, int64_t b,
+            int64_t kh, int64_t t0, int64_t t1) {
   const int64_t rows = (t1 - t0) * d.group;
   const int64_t S = std::clamp<int64_t>(kv_len[b], 0, d.max_pages * d.ps);
   const int64_t S64 = std::max<int64_t>(kTile, (S + kTile - 1) / kTile * kTile);
   const int64_t hd64 = (d.hd + kTile - 1) / kTile * kTile;
   const int64_t qs = q_start[b];
-  auto slot_ptr = [&](const float* cache, int64_t s) {
+  // Slots >= q_start come from the in-flight block when it is given (not in the cache yet).
+  auto slot_ptr = [&](const float* cache, const float* block, int64_t s) {
+    if (block != nullptr && s >= qs) return block + ((b * d.T + (s - qs)) * d.kvh + kh) * d.hd;
     int64_t page = page_table[b * d.max_pages + s / d.ps];
     page = std::clamp<int64_t>(page, 0, d.P - 1);  // never read outside the cache
     return cache + (((layer * d.P + page) * d.ps + s % d.ps) * d.kvh + kh) * d.hd;
@@ -92,24 +99,36 @@ void attend(const Dims& d, const float* q, const float* cache_k, const float* ca
     return causal ? rel <= t : mask[(b * d.T + t) * d.T + rel];
   };
   // 1. Gather: scaled query rows [rows, hd], K^T tiles [S64/64][hd][64], V tiles [hd64/64][S64][64].
-  std::vector<float> qloc(static_cast<size_t>(rows) * d.hd);
+  // Scratch reused across calls per thread: only the padding is zeroed, the rest is overwritten.
+  thread_local std::vector<float> qloc, kt, vt, logits, acc;
+  qloc.resize(static_cast<size_t>(rows) * d.hd);
+  kt.resize(static_cast<size_t>(S64) * d.hd);
+  vt.resize(static_cast<size_t>(hd64) * S64);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0; g < d.group; ++g) {
       const float* src = q + ((b * d.T + t) * d.H + kh * d.group + g) * d.hd;
       float* dst = qloc.data() + ((t - t0) * d.group + g) * d.hd;
       for (int64_t i = 0; i < d.hd; ++i) dst[i] = src[i] * scale;
     }
-  std::vector<float> kt(static_cast<size_t>(S64) * d.hd, 0.f);
-  std::vector<float> vt(static_cast<size_t>(hd64) * S64, 0.f);
   for (int64_t s = 0; s < S; ++s) {
-    const float* k = slot_ptr(cache_k, s);
-    const float* v = slot_ptr(cache_v, s);
+    const float* k = slot_ptr(cache_k, k_block, s);
+    const float* v = slot_ptr(cache_v, v_block, s);
     float* kcol = kt.data() + (s / kTile) * d.hd * kTile + s % kTile;
     for (int64_t i = 0; i < d.hd; ++i) kcol[i * kTile] = k[i];
-    for (int64_t i = 0; i < d.hd; ++i) vt[((i / kTile) * S64 + s) * kTile + i % kTile] = v[i];
+    for (int64_t c = 0; c < hd64; c += kTile) {  // V rows stay rows: one copy per 64-wide chunk
+      float* dst = vt.data() + ((c / kTile) * S64 + s) * kTile;
+      const int64_t n = std::min<int64_t>(kTile, d.hd - c);
+      std::memcpy(dst, v + c, sizeof(float) * n);
+      if (n < kTile) std::memset(dst + n, 0, sizeof(float) * (kTile - n));
+    }
+  }
+  for (int64_t s = S; s < S64; ++s) {  // padded slots: zero keys and values
+    float* kcol = kt.data() + (s / kTile) * d.hd * kTile + s % kTile;
+    for (int64_t i = 0; i < d.hd; ++i) kcol[i * kTile] = 0.f;
+    for (int64_t i = 0; i < hd64; ++i) vt[((i / kTile) * S64 + s) * kTile + i % kTile] = 0.f;
   }
   // 2. Logits [rows, S64].
-  std::vector<float> logits(static_cast<size_t>(rows) * S64);
+  logits.resize(static_cast<size_t>(rows) * S64);
   for (int64_t c = 0; c < S64 / kTile; ++c)
     tile_rows(qloc.data(), kt.data() + c * d.hd * kTile, logits.data() + c * kTile, rows, d.hd, S64);
   // 3. Masked softmax in place; invisible and padded slots get exactly 0. The
@@ -138,7 +157,7 @@ void attend(const Dims& d, const float* q, const float* cache_k, const float* ca
     inv_sum[r] = 1.f / sum;
   }
   // 4. Weighted values [rows, hd64], normalised on the way out.
-  std::vector<float> acc(static_cast<size_t>(rows) * hd64);
+  acc.resize(static_cast<size_t>(rows) * hd64);
   for (int64_t c = 0; c < hd64 / kTile; ++c)
     tile_rows(logits.data(), vt.data() + c * S64 * kTile, acc.data() + c * kTile, rows, S64, hd64);
   for (int64_t t = t0; t < t1; ++t)
@@ -153,7 +172,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> layer,
                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> q_start,
                               ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::PRED> mask,
-                              ffi::ResultBuffer<ffi::F32> out, float scale, bool causal) {
+                              ffi::Buffer<ffi::F32> k_block, ffi::Buffer<ffi::F32> v_block,
+                              ffi::ResultBuffer<ffi::F32> out, float scale, bool causal, bool with_block) {
   const auto qd = q.dimensions();
   const auto cd = cache_k.dimensions();
   if (qd.size() != 4 || cd.size() != 5) return ffi::Error::InvalidArgument("q must be [B,T,H,hd], cache [L,P,ps,kvh,hd]");
@@ -165,6 +185,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   d.group = d.H / d.kvh;
   if (!causal && static_cast<int64_t>(mask.element_count()) != d.B * d.T * d.T)
     return ffi::Error::InvalidArgument("tree mask must be [B, T, T]");
+  const int64_t block_size = d.B * d.T * d.kvh * d.hd;
+  if (with_block && (static_cast<int64_t>(k_block.element_count()) != block_size ||
+                     static_cast<int64_t>(v_block.element_count()) != block_size))
+    return ffi::Error::InvalidArgument("k_block and v_block must be [B, T, kvh, hd]");
+  const float* kb = with_block ? k_block.typed_data() : nullptr;
+  const float* vb = with_block ? v_block.typed_data() : nullptr;
   const int64_t lyr = std::clamp<int64_t>(layer.typed_data()[0], 0, d.L - 1);
   const float* qp = q.typed_data();
   const float* kp = cache_k.typed_data();
@@ -174,15 +200,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* kl = kv_len.typed_data();
   const bool* mk = mask.typed_data();
   float* op = out->typed_data();
-  // Split query blocks too when there are few (sequence, KV head) pairs, so both
-  // cores work on a batch-1 verify; each split gathers its own K/V copy (cheap).
+  // Split the query block only when there are fewer (sequence, KV head) pairs
+  // than threads: each split gathers its own K/V copy, which costs more than the
+  // imbalance of, say, 3 pairs on 2 threads (measured on a batch-1 verify).
   const int64_t pairs = d.B * d.kvh;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t splits = std::clamp<int64_t>((2 * threads + pairs - 1) / pairs, 1, d.T);
+  const int64_t splits = std::clamp<int64_t>((threads + pairs - 1) / pairs, 1, d.T);
   const int64_t per = (d.T + splits - 1) / splits;
   jaxspec::parallel_for(pool, pairs * splits, 2, [&](int64_t i) {
     const int64_t pair = i / splits, t0 = (i % splits) * per, t1 = std::min(d.T, t0 + per);
-    if (t0 < t1) attend(d, qp, kp, vp, lyr, pt, qs, kl, mk, causal, scale, op, pair / d.kvh, pair % d.kvh, t0, t1);
+    if (t0 < t1) attend(d, qp, kp, vp, lyr, pt, qs, kl, mk, kb, vb, causal, scale, op, pair / d.kvh, pair % d.kvh, t0, t1);
   });
   return ffi::Error::Success();
 }
@@ -200,6 +227,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_start [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_len [B]
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // tree mask [B, T, T] (or [1,1,1] if causal)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_block [B, T, kvh, hd] (or [1] if none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_block
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, T, H, hd]
                                   .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("with_block"));

@@ -1,7 +1,8 @@
 """Paged attention for short query blocks on XLA:CPU: the FFI kernel (paged_attention.cc).
 
-Its reference is `jaxspec.cache.attention.paged_attention_ref` (same arguments,
-with the layer's pages sliced out of the whole cache). Built and registered by
+Its references are `jaxspec.cache.attention.paged_attention_ref` (same
+arguments, with the layer's pages sliced out of the whole cache) and, with an
+in-flight block, `attention_with_block_ref`. Built and registered by
 `jaxspec.native.build`.
 """
 
@@ -28,15 +29,24 @@ def paged_attention_native(
     q_start: jax.Array,  # [B] int32 slot of the block's first query
     kv_len: jax.Array,  # [B] int32 valid slots after the block is written
     tree_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
+    k_block: jax.Array | None = None,  # [B, T, kvh, hd]: the block's K/V, not in the cache (read-only use)
+    v_block: jax.Array | None = None,  # [B, T, kvh, hd]
     *,
     scale: float,
 ) -> jax.Array:  # [B, T, H, hd]
+    """With k_block/v_block: `attention_with_block_ref` semantics (kv_len = q_start + T);
+    without: `paged_attention_ref` on the layer's pages."""
     ensure_registered()
     causal = tree_mask is None
     mask = jnp.zeros((1, 1, 1), bool) if causal else tree_mask.astype(bool)
+    with_block = k_block is not None
+    if with_block != (v_block is not None):
+        raise ValueError("give both k_block and v_block, or neither")
+    none = jnp.zeros((1,), jnp.float32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(
         q.astype(jnp.float32), cache_k, cache_v, jnp.asarray(layer, jnp.int32),
         page_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32), mask,
-        scale=np.float32(scale), causal=causal,
+        k_block.astype(jnp.float32) if with_block else none, v_block.astype(jnp.float32) if with_block else none,
+        scale=np.float32(scale), causal=causal, with_block=with_block,
     )

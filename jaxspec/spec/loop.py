@@ -22,7 +22,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.pallas import use_kernel
 from jaxspec.spec.commit import commit_accepted_kv
-from jaxspec.spec.sampling import make_verify_noise, target_probs_from_logits
+from jaxspec.spec.sampling import argmax_last, make_verify_noise, target_probs_from_logits
 from jaxspec.spec.tree import build_tree
 from jaxspec.spec.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
 
@@ -107,7 +107,7 @@ def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState, seq
     """
 
     def greedy():
-        predict = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        predict = argmax_last(logits)
         return verify_greedy(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, predict,
                              max_depth=plan.max_depth)
 
@@ -136,7 +136,7 @@ def _simulate(plan: SpecPlan, result, logits):
     depth = plan.max_depth
     forced = jnp.full_like(result.num_accepted, min(plan.simulate_accept_length, depth + 1) - 1)
     accept_index = jnp.where(jnp.arange(depth + 1)[None] <= forced[:, None], jnp.arange(depth + 1)[None], -1)
-    bonus = jnp.argmax(jnp.take_along_axis(logits, forced[:, None, None], axis=1)[:, 0], axis=-1)
+    bonus = argmax_last(jnp.take_along_axis(logits, forced[:, None, None], axis=1)[:, 0])
     return type(result)(accept_index.astype(jnp.int32), forced, bonus.astype(jnp.int32))
 
 
@@ -213,12 +213,17 @@ def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens,
     return cache, result
 
 
-def commit_phase(s: SpecState, cache, draft_state, tokens, result) -> SpecState:
+def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool = False) -> SpecState:
     """5-7. Commit K/V, emit tokens (cut at stops / max_new_tokens), record metrics."""
     live = ~s.done
     seq_lens = s.hist_len - 1
-    # 5. The accepted path's K/V becomes contiguous (no-op moves for chains).
-    cache = commit_accepted_kv(cache, s.page_table, seq_lens, result.accept_index, result.num_accepted)
+    # 5. The accepted path's K/V becomes contiguous. A chain's accepted path is a
+    # prefix, already in place, so chains skip the move: it would gather and
+    # scatter every layer for nothing, and where its indices do not depend on
+    # the forward (forced acceptance) XLA ran it beside the last layer's
+    # attention and copied the whole cache every iteration to allow that.
+    if not chain:
+        cache = commit_accepted_kv(cache, s.page_table, seq_lens, result.accept_index, result.num_accepted)
     # 6. Emit: accepted drafts + bonus, cut at a stop token or max_new_tokens.
     new = emitted_tokens(tokens, result)  # [B, D+1]
     width = new.shape[1]
@@ -245,7 +250,7 @@ def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_para
     """One draft -> verify -> commit iteration (the while_loop body)."""
     tokens, parents, draft_probs, draft_state = draft_phase(plan, drafter, draft_params, s)
     cache, result = verify_phase(plan, cfg, params, s, tokens, parents, draft_probs)
-    return commit_phase(s, cache, draft_state, tokens, result)
+    return commit_phase(s, cache, draft_state, tokens, result, chain=parents is None)
 
 
 def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter, max_iters: int | None = None):
@@ -286,7 +291,8 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
         return verify_phase(plan, cfg, params, dataclasses.replace(rest, cache=cache), tokens, parents, draft_probs)
 
     def commit(rest, cache, draft_state, tokens, result):
-        return commit_phase(dataclasses.replace(rest, cache=None), cache, draft_state, tokens, result)
+        return commit_phase(dataclasses.replace(rest, cache=None), cache, draft_state, tokens, result,
+                            chain=plan.chain)
 
     draft_j = jax.jit(draft, donate_argnums=(1,))
     verify_j = jax.jit(verify, donate_argnums=(1,))

@@ -36,6 +36,22 @@ _UNIFORM_STREAM = 0
 _EXP_STREAM = 1
 
 
+def argmax_last(
+    x: Float[Array, "*batch V"],
+) -> Int[Array, "*batch"]:
+    """jnp.argmax over the last axis (first index among ties), as two plain reductions.
+
+    XLA:CPU runs argmax's variadic (value, index) reduce without vectorising it:
+    0.92 ms for a verify block's [8, 49152] logits, against 0.30 ms for a max
+    and then a min over the indices that reach it (measured). A NaN row, which
+    argmax would point at, gives the last index here instead of one past it.
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
 def _request_key(seed: Int[Array, ""], position: Int[Array, ""]) -> jax.Array:
     key = jax.random.key(jnp.asarray(seed).astype(jnp.uint32))
     return jax.random.fold_in(key, jnp.asarray(position).astype(jnp.uint32))
@@ -82,7 +98,7 @@ def race_sample(
     exp_noise: Float[Array, "*batch V"],
 ) -> Int[Array, "*batch"]:
     """Exponential race: index v with probability weights[v] / sum(weights)."""
-    return jnp.argmax(weights / exp_noise, axis=-1).astype(jnp.int32)
+    return argmax_last(weights / exp_noise)
 
 
 def _top_k_top_p_mask(
@@ -143,7 +159,7 @@ def target_probs_from_logits(
         scaled,
     )
     probs = jax.nn.softmax(scaled, axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(argmax_last(logits), vocab, dtype=jnp.float32)
     return jnp.where(greedy[:, None, None], one_hot, probs)
 
 
@@ -171,5 +187,5 @@ def sample_token(
 
     # An all-greedy batch skips the vocab-sized noise draw (measured 1 ms at
     # B=1, 5 ms at B=8 on CPU: a sizable share of a decode step). Same tokens.
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax_last(logits)
     return jax.lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy, sampled, logits)
