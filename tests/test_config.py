@@ -25,6 +25,7 @@ def test_toml_then_overrides(tmp_path):
         ({"engine.page_size": 0}, "page_size must be >= 1"),
         ({"sampling.top_p": 0}, "top_p"),
         ({"model.dtype": "float16"}, "model.dtype"),
+        ({"engine.cpu_kernels": "fast"}, "engine.cpu_kernels must be auto, native or xla"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
