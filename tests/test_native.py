@@ -152,8 +152,10 @@ def test_engine_with_and_without_native_kernels_matches_hf(tiny_dirs):
     path, hf = tiny_dirs["qwen2"]
     model = load_model(str(path), progress=False)
     prompts = [[5, 17, 33, 9, 100, 42, 7], [200, 3]]
-    for mode, packed in (("native", True), ("xla", False)):
-        ecfg = EngineSection(max_batch_size=2, max_context=128, length_buckets=(16, 32, 64, 128), cpu_kernels=mode)
+    # Unrolled layers (the CPU default) and lax.scan over stacked packed weights.
+    for mode, loop, packed in (("native", "auto", True), ("native", "scan", True), ("xla", "auto", False)):
+        ecfg = EngineSection(max_batch_size=2, max_context=128, length_buckets=(16, 32, 64, 128), cpu_kernels=mode,
+                             layer_loop=loop)
         engine = Engine(model.params, model.config, ecfg, progress=False)
         assert isinstance(engine.params["head"], PackedWeight) is packed
         for prompt, res in zip(prompts, engine.generate([Request(p, max_new_tokens=16) for p in prompts])):
