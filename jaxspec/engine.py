@@ -210,9 +210,9 @@ class Engine:
         self.mesh = mesh
         loop = engine_cfg.layer_loop
         self._unstack = None if loop == "auto" else loop == "unrolled"
-        self._native = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
-        self.params = shd.shard_params(prepare_params(params, cfg, unstack=self._unstack, native=self._native),
-                                       cfg, mesh)
+        self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
+        runtime = prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels)
+        self.params = shd.shard_params(runtime, cfg, mesh)
         self.cfg = cfg
         self.ecfg = engine_cfg
         self.progress = progress
@@ -258,7 +258,7 @@ class Engine:
             if self.mesh is not None:
                 shd.validate_for_model(self.mesh, dcfg, "draft model")
             self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack,
-                                                                    native=self._native), dcfg, self.mesh)
+                                                                    native=self.native_kernels), dcfg, self.mesh)
             if dcfg.vocab_size != self.cfg.vocab_size:
                 raise RequestError(
                     f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "

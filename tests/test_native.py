@@ -26,6 +26,7 @@ from jaxspec.cache.attention import paged_attention_ref
 from jaxspec.native.build import NativeKernelError, use_native_kernels
 from jaxspec.native.packed_matmul import pack_weight, packed_matmul, packed_matmul_ref, unpack_weight
 from jaxspec.native.paged_attention import paged_attention_native
+from tests.test_paged_attention import ancestor_mask, random_parents
 
 matmul = jax.jit(packed_matmul)
 attention_ref = jax.jit(paged_attention_ref, static_argnames="scale")
@@ -90,14 +91,7 @@ def _attention_case(rng, b, t, h, kvh, hd, page_size, tree, num_layers=2):
     q_start = kv_len - t
     mask = None
     if tree:
-        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-        m = np.eye(t, dtype=bool)
-        for i in range(t):
-            p = parents[i]
-            while p >= 0:
-                m[i, p] = True
-                p = parents[p]
-        mask = np.broadcast_to(m, (b, t, t)).copy()
+        mask = np.broadcast_to(ancestor_mask(random_parents(rng, t)), (b, t, t)).copy()
     return [jnp.asarray(a) for a in (q, cache_k, cache_v, page_table, q_start, kv_len)] + [
         None if mask is None else jnp.asarray(mask)]
 

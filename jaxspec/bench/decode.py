@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     engine = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512), progress=True)
     # The same engine on XLA's own CPU ops, to show what the native kernels buy (CPU only).
     xla_engine = None
-    if jax.default_backend() == "cpu" and engine._native:
+    if jax.default_backend() == "cpu" and engine.native_kernels:
         xla_engine = Engine(model.params, model.config,
                             EngineSection(max_batch_size=8, max_context=512, cpu_kernels="xla"), progress=True)
     weight_bytes = param_bytes(model.params)

@@ -51,19 +51,17 @@ def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offse
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     page_table, q_start, kv_len, tree_mask = attn_args
-    native = isinstance(lp["wq"], PackedWeight) and t <= MAX_QUERIES
-    if native:
-        # Native CPU params: attention reads the whole cache in place (no per-layer slice copy).
-        if write_cache:
-            cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
-            block = {}
-        else:
-            kv_len, block = q_start + t, dict(k_block=k, v_block=v)
+    if write_cache:
+        cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
+    if isinstance(lp["wq"], PackedWeight) and t <= MAX_QUERIES:
+        # Native CPU params: attention reads the whole cache in place (no per-layer
+        # slice copy); without a cache write it reads the block's K/V directly.
+        block = {} if write_cache else dict(k_block=k, v_block=v)
         out = paged_attention_native(
-            q, cache_k, cache_v, layer, page_table, q_start, kv_len, tree_mask, scale=cfg.head_dim**-0.5, **block,
+            q, cache_k, cache_v, layer, page_table, q_start, kv_len if write_cache else q_start + t, tree_mask,
+            scale=cfg.head_dim**-0.5, **block,
         )
     elif write_cache:
-        cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
         out = paged_attention(
             q, cache_k[layer], cache_v[layer], page_table, q_start, kv_len, tree_mask,
             scale=cfg.head_dim**-0.5,

@@ -19,7 +19,6 @@
 // A query row with no visible slot (an empty padding sequence) gets zeros; the
 // reference gives a finite average there. Neither is ever read.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
