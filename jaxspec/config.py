@@ -70,8 +70,12 @@ class SpecSection:
     threshold_acc: float = 1.0
     draft_model: str = ""
     draft_layers: int = 0
-    ngram_min_match: int = 2  # 1 proposes after any repeated token: mostly rejected drafts
+    ngram_min_match: int = 1
     ngram_max_match: int = 4
+    # Entry n-1 caps the drafts of a length-n match (past the tuple: num_draft_tokens - 1).
+    # 1-gram matches are mostly rejected; 3 drafts keep their verify at the width
+    # that costs a plain step (see jaxspec.spec.ngram).
+    ngram_draft_tokens_by_match: tuple[int, ...] = (3,)
     ngram_corpus: str = ""
     simulate_accept_length: int = 0
 

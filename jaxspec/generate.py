@@ -43,6 +43,7 @@ FLAG_KEYS = {
     "draft_layers": "spec.draft_layers",
     "ngram_min_match": "spec.ngram_min_match",
     "ngram_max_match": "spec.ngram_max_match",
+    "ngram_draft_tokens_by_match": "spec.ngram_draft_tokens_by_match",
     "ngram_corpus": "spec.ngram_corpus",
     "simulate_accept_length": "spec.simulate_accept_length",
 }
@@ -76,6 +77,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--draft-layers", type=int, help="standalone draft = first N layers of the draft (or target)")
     sp.add_argument("--ngram-min-match", type=int)
     sp.add_argument("--ngram-max-match", type=int)
+    sp.add_argument("--ngram-draft-tokens-by-match", metavar="N1,N2,...",
+                    help="most drafts from a match of length 1, 2, ... ('' = no cap; default 3)")
     sp.add_argument("--ngram-corpus", metavar="FILE.jsonl", help="extra n-gram corpus (host-side index)")
     sp.add_argument("--simulate-accept-length", type=int, metavar="L",
                     help="benchmark only: force acceptance length L; output is NOT exact")

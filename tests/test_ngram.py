@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from jaxspec.spec.ngram import NgramCorpus, merge_extra, ngram_propose
 
 B, C = 3, 20
-# (num_draft_tokens, topk, min_match, max_match)
+# (num_draft_tokens, topk, min_match, max_match[, draft_tokens_by_match])
 CONFIGS = ((1, 1, 1, 2), (6, 1, 1, 3), (8, 1, 2, 4), (5, 2, 2, 2), (8, 3, 1, 3),
-           (12, 4, 1, 4))
+           (12, 4, 1, 4), (8, 1, 1, 4, (3,)), (8, 3, 1, 3, (2, 4)), (6, 1, 1, 3, (1, 1, 2)))
 EXTRA = 4
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -28,7 +28,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # --------------------------------------------------------------------------
 
 
-def ref_propose(h, hist_len, n_nodes, topk, min_match, max_match):
+def ref_propose(h, hist_len, n_nodes, topk, min_match, max_match, cap=()):
     """The module-docstring rule, written out with loops and a dict trie."""
     length = max(1, min(hist_len, len(h)))
     h = [int(t) for t in h[:length]]
@@ -50,7 +50,7 @@ def ref_propose(h, hist_len, n_nodes, topk, min_match, max_match):
         firsts = {br[0] for br in branches}
         best = None
         for q, m in ml.items():
-            cont = h[q : min(length, q + depth)]
+            cont = h[q : min(length, q + depth, q + (cap[m - 1] if m <= len(cap) else depth))]
             if any(br[: len(cont)] == cont for br in branches):
                 continue  # adds no trie node
             key = (cont[0] not in firsts, m, len(cont), q)
@@ -133,9 +133,9 @@ def ref_merge(tokens, parents, extra, chain):
 
 
 def run_device(hist, lens, cfg):
-    n, k, lo, hi = cfg
+    n, k, lo, hi, *cap = cfg
     t, p = ngram_propose(jnp.asarray(hist), jnp.asarray(lens), num_draft_tokens=n, topk=k,
-                         min_match=lo, max_match=hi)
+                         min_match=lo, max_match=hi, draft_tokens_by_match=tuple(cap[0]) if cap else ())
     return np.asarray(t), np.asarray(p)
 
 
@@ -160,11 +160,11 @@ def histories(draw):
 @given(data=histories(), cfg=st.sampled_from(CONFIGS))
 def test_propose_matches_reference(data, cfg):
     hist, lens = data
-    n, k, lo, hi = cfg
+    n, k, lo, hi, *cap = cfg
     tok, par = run_device(hist, lens, cfg)
     assert tok.shape == par.shape == (B, n) and tok.dtype == par.dtype == np.int32
     for b in range(B):
-        want_t, want_p = ref_propose(hist[b], int(lens[b]), n, k, lo, hi)
+        want_t, want_p = ref_propose(hist[b], int(lens[b]), n, k, lo, hi, *cap)
         assert tok[b].tolist() == want_t and par[b].tolist() == want_p, (b, hist[b], lens[b])
         check_convention(tok[b].tolist(), par[b].tolist(), int(hist[b, lens[b] - 1]), k == 1)
         for path in paths(tok[b].tolist(), par[b].tolist()).values():
@@ -216,11 +216,31 @@ def test_edge_cases(h, lens, cfg, want):
     assert par[0].tolist() == [-1] + [i if want[i + 1] >= 0 else 0 for i in range(len(want) - 1)]
 
 
+def test_draft_cap_by_match_length():
+    # Only a 1-gram matches (the final 1): its 7-token continuation is cut to
+    # the cap; a 2-gram match in the same history still drafts the whole chain.
+    h = [1, 2, 3, 4, 5, 6, 7, 8, 1]
+    hist = np.zeros((B, C), np.int32)
+    hist[:, : len(h)] = h
+    tok, _ = run_device(hist, np.full((B,), len(h), np.int32), (8, 1, 1, 4, (3,)))
+    assert tok[0].tolist() == [1, 2, 3, 4, -1, -1, -1, -1]
+    h2 = h + [2]
+    hist[:, : len(h2)] = h2
+    tok, _ = run_device(hist, np.full((B,), len(h2), np.int32), (8, 1, 1, 4, (3,)))
+    assert tok[0].tolist() == [2, 3, 4, 5, 6, 7, 8, 1]
+
+
 def test_bad_config():
     hist = jnp.zeros((1, 8), jnp.int32)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="min_match"):
         ngram_propose(hist, jnp.ones((1,), jnp.int32), num_draft_tokens=4, topk=1,
                       min_match=3, max_match=2)
+    with pytest.raises(ValueError, match="draft_tokens_by_match"):
+        ngram_propose(hist, jnp.ones((1,), jnp.int32), num_draft_tokens=4, topk=1,
+                      min_match=1, max_match=2, draft_tokens_by_match=(0,))
+    with pytest.raises(ValueError, match="draft_tokens_by_match"):
+        ngram_propose(hist, jnp.ones((1,), jnp.int32), num_draft_tokens=4, topk=1,
+                      min_match=1, max_match=2, draft_tokens_by_match=(1, 2, 3))
 
 
 # --------------------------------------------------------------------------

@@ -53,8 +53,15 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 7) -> float:
 def hf_generate_tps(
     model, prompts: list[list[int]], max_new_tokens: int, batch: int, reps: int = 1, lookup: int = 0
 ) -> float:
-    """Hugging Face `generate` greedy tokens/s, EOS ignored; left-padded batches.
+    """Hugging Face `generate` greedy tokens/s (median), EOS ignored; left-padded batches.
     `lookup` > 0 turns on prompt-lookup decoding with that many draft tokens."""
+    return median(hf_generate_rates(model, prompts, max_new_tokens, batch, reps, lookup))
+
+
+def hf_generate_rates(
+    model, prompts: list[list[int]], max_new_tokens: int, batch: int, reps: int = 1, lookup: int = 0
+) -> list[float]:
+    """tokens/s of every batch in order (batch-major within each repetition)."""
     import torch
 
     model.generation_config.eos_token_id = None
@@ -74,7 +81,7 @@ def hf_generate_tps(
                 )
                 dt = time.perf_counter() - t0
             rates.append(len(chunk) * max_new_tokens / dt)
-    return median(rates)
+    return rates
 
 
 def timed(fn: Callable[[], object], reps: int) -> list[float]:

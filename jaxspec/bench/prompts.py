@@ -78,5 +78,8 @@ _PASSAGES = [
 ]
 
 
+NUM_PASSAGES = len(_PASSAGES)
+
+
 def repeat_prompts(n: int) -> list[str]:
     return [f"Repeat the following text exactly:\n\n{_PASSAGES[i % len(_PASSAGES)]}" for i in range(n)]

@@ -34,7 +34,9 @@ SERVE_FLAG_KEYS = {
 # Speculation is on by default when serving: n-gram drafts cost no extra model,
 # rejection verify keeps sampled requests exact (all-greedy batches take the
 # greedy rule), and the adaptive policy turns it off where it loses.
-SERVE_DEFAULTS = {"spec.algorithm": "ngram", "spec.verify": "rejection"}
+# min match 2: the server's adaptive chains draft at most 3 tokens, so the
+# 1-gram cap buys nothing there, and a batched verify pays for every row's width.
+SERVE_DEFAULTS = {"spec.algorithm": "ngram", "spec.verify": "rejection", "spec.ngram_min_match": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:

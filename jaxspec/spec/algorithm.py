@@ -243,6 +243,10 @@ def _field_checks(s: SpecSection) -> list[tuple[bool, str]]:
         (s.ngram_min_match <= s.ngram_max_match,
          f"spec.ngram_min_match ({s.ngram_min_match}) must be <= spec.ngram_max_match "
          f"({s.ngram_max_match})"),
+        (all(t >= 1 for t in s.ngram_draft_tokens_by_match)
+         and len(s.ngram_draft_tokens_by_match) <= s.ngram_max_match,
+         f"spec.ngram_draft_tokens_by_match needs at most ngram_max_match ({s.ngram_max_match}) "
+         f"entries, each >= 1; got {list(s.ngram_draft_tokens_by_match)}"),
         (s.draft_layers >= 0, f"spec.draft_layers must be >= 0; got {s.draft_layers}"),
         (s.simulate_accept_length >= 0,
          f"spec.simulate_accept_length must be >= 0 (0 = off); got {s.simulate_accept_length}"),

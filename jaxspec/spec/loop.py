@@ -57,6 +57,7 @@ class SpecPlan:
     threshold_acc: float
     ngram_min_match: int
     ngram_max_match: int
+    ngram_draft_tokens_by_match: tuple[int, ...]
     simulate_accept_length: int
 
     @property
@@ -75,7 +76,8 @@ class SpecPlan:
             algorithm=spec.algorithm.lower(), num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
             num_steps=spec.num_steps, verify=spec.verify, threshold_single=spec.threshold_single,
             threshold_acc=spec.threshold_acc, ngram_min_match=spec.ngram_min_match,
-            ngram_max_match=spec.ngram_max_match, simulate_accept_length=spec.simulate_accept_length,
+            ngram_max_match=spec.ngram_max_match, ngram_draft_tokens_by_match=spec.ngram_draft_tokens_by_match,
+            simulate_accept_length=spec.simulate_accept_length,
         )
 
 
@@ -92,6 +94,7 @@ def _draft(plan: SpecPlan, drafter, draft_params, s: SpecState):
         tokens, parents = ngram_propose(
             history, hist_len, num_draft_tokens=plan.num_draft_tokens, topk=plan.topk,
             min_match=plan.ngram_min_match, max_match=plan.ngram_max_match,
+            draft_tokens_by_match=plan.ngram_draft_tokens_by_match,
         )
         return tokens, (None if plan.chain else parents), None, s.draft
     return drafter.propose(draft_params, s.draft, s.history, s.hist_len, s.page_table, live, s.sampling)
@@ -154,7 +157,9 @@ def verify_widths(plan: SpecPlan) -> tuple[int, ...]:
     n = plan.num_draft_tokens
     if plan.algorithm != "ngram" or plan.simulate_accept_length or use_kernel():
         return (n,)
-    return tuple(sorted({1, n} | {w for w in (2, 4) if w < n}))
+    # Powers of two: a forward over up to 4 tokens costs one decode step on CPU,
+    # and from there on cost grows with width (the n-gram match-length cap aims at 4).
+    return tuple(sorted({1, n} | {w for w in (2, 4, 8) if w < n}))
 
 
 def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, tree, seq_lens, live):

@@ -19,8 +19,10 @@ THE MATCHING RULE. Per sequence, h = history[b, :L] with L = hist_len[b]
     matching every shorter n at the same q, so "n from max_match down to
     min_match" is the same as ranking by ml(q). q is a candidate iff
     ml(q) >= min_match.
-  * Its continuation is h[q : min(L, q + D)], of length
-    len(q) = min(L - q, D) >= 1 (it may overlap the suffix; it never reads past L).
+  * Its continuation is h[q : q + len(q)], of length
+    len(q) = min(L - q, D, cap(ml(q))) >= 1 (it may overlap the suffix; it
+    never reads past L). cap(n) = draft_tokens_by_match[n - 1] where that
+    entry exists, D otherwise.
   * Branches are picked greedily, up to topk of them. At each pick, a
     candidate is eligible only if its continuation is not a prefix of (or equal
     to) an already picked branch, i.e. it adds at least one new trie node.
@@ -42,6 +44,15 @@ THE MATCHING RULE. Per sequence, h = history[b, :L] with L = hist_len[b]
 
 Note the longest n wins even when its continuation is short: for h = 7 7 7 7
 the 3-gram match at q = 3 proposes one token, not the 1-gram's three.
+
+WHY A CAP PER MATCH LENGTH. A verify forward costs the same for up to 4
+nodes as for 1 on CPU (the weights are read once either way) and more from
+there on (1.10x at 8, 1.62x at 16), and the loop verifies at the narrowest
+width holding the draft (`spec.loop.verify_widths`). A 1-gram match is weak
+evidence: its drafts are mostly rejected. Capping it at 3 tokens keeps such
+steps at the free width while a longer match still drafts the whole chain,
+so min_match = 1 adds the accepted drafts of 1-gram matches without paying
+for full-width verifies of the rejected ones.
 
 HOST CORPUS (`NgramCorpus`). Continuations from an external JSONL corpus
 (`--ngram-corpus FILE`) and from other requests' outputs (`add`), looked up on
@@ -74,7 +85,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def check_ngram_config(num_draft_tokens: int, topk: int, min_match: int,
-                       max_match: int) -> None:
+                       max_match: int, draft_tokens_by_match: tuple[int, ...] = ()) -> None:
     """Raise ValueError for an n-gram config the proposer cannot run."""
     if num_draft_tokens < 1 or topk < 1:
         raise ValueError(f"ngram: need num_draft_tokens >= 1 and topk >= 1, got "
@@ -82,6 +93,9 @@ def check_ngram_config(num_draft_tokens: int, topk: int, min_match: int,
     if not 1 <= min_match <= max_match:
         raise ValueError(f"ngram: need 1 <= min_match <= max_match, got "
                          f"min_match={min_match}, max_match={max_match}")
+    if any(t < 1 for t in draft_tokens_by_match) or len(draft_tokens_by_match) > max_match:
+        raise ValueError(f"ngram: draft_tokens_by_match needs at most max_match={max_match} entries, "
+                         f"each >= 1, got {tuple(draft_tokens_by_match)}")
 
 
 # --------------------------------------------------------------------------
@@ -223,7 +237,7 @@ def _branches_to_tree(
 
 
 @functools.partial(jax.jit, static_argnames=("num_draft_tokens", "topk", "min_match",
-                                             "max_match"))
+                                             "max_match", "draft_tokens_by_match"))
 def ngram_propose(
     history: Int[Array, "B C"],  # prompt + committed output; garbage at >= hist_len
     hist_len: Int[Array, "B"],  # >= 1; history[b, hist_len[b] - 1] is the root
@@ -232,14 +246,18 @@ def ngram_propose(
     topk: int,
     min_match: int,
     max_match: int,
+    draft_tokens_by_match: tuple[int, ...] = (),
 ) -> tuple[Int[Array, "B N"], Int[Array, "B N"]]:
     """Draft tree from the sequence's own history (rule: module docstring).
+
+    draft_tokens_by_match[n - 1] caps the continuation of a length-n match;
+    lengths past the tuple are capped only by the N - 1 draft slots.
 
     Returns (tokens [B, N] int32, parents [B, N] int32), N = num_draft_tokens,
     in the tree convention; a chain (parents i - 1) when topk == 1. hist_len is
     clipped to [1, C].
     """
-    check_ngram_config(num_draft_tokens, topk, min_match, max_match)
+    check_ngram_config(num_draft_tokens, topk, min_match, max_match, draft_tokens_by_match)
     b, c = history.shape
     depth = num_draft_tokens - 1
     history = history.astype(jnp.int32)
@@ -255,7 +273,10 @@ def ngram_propose(
     # Negative tokens separate documents (a prepended corpus, `corpus_token_array`):
     # a continuation stops there, so no draft crosses from one text into another.
     next_sep = jax.lax.cummin(jnp.where(history < 0, qpos, c), axis=1, reverse=True)
-    cont_len = jnp.where(in_range, jnp.minimum(jnp.minimum(hist_len[:, None], next_sep) - qpos, depth), 0)
+    cap = jnp.array([depth] + [min(depth, t) for t in draft_tokens_by_match[:max_match]]
+                    + [depth] * max(0, max_match - len(draft_tokens_by_match)), jnp.int32)  # [max_match + 1]
+    cont_len = jnp.minimum(jnp.minimum(hist_len[:, None], next_sep) - qpos, cap[jnp.minimum(ml, max_match)])
+    cont_len = jnp.where(in_range, cont_len, 0)
 
     # 2. Pick up to topk branches.
     starts, lengths = _pick_branches(history, ml, cont_len, topk=topk, min_match=min_match,
