@@ -1,0 +1,62 @@
+"""Benchmark arithmetic: the speedup statistics of the spec benchmark, and the offline
+n-gram replay against the on-device loop it stands in for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxspec.bench.replay import NgramShape, replay_accept_lengths
+from jaxspec.bench.spec import speedups
+
+rates = st.lists(st.floats(1.0, 500.0), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=rates, factor=st.lists(st.floats(0.3, 8.0), min_size=12, max_size=12))
+def test_speedups_equal_per_prompt_median_and_total_time_ratio(base, factor):
+    method = [b * f for b, f in zip(base, factor)]
+    paired, aggregate = speedups(method, base)
+    # Per prompt: the method's rate over plain's on the same prompt, then the median.
+    assert np.isclose(paired, np.median(factor[: len(base)]))
+    # Aggregate: every prompt yields the same token count, so it is plain's total
+    # seconds over the method's (simulated with 128 tokens per prompt).
+    plain_s = sum(128 / b for b in base)
+    method_s = sum(128 / m for m in method)
+    assert np.isclose(aggregate, plain_s / method_s)
+
+
+def test_one_fast_prompt_moves_the_aggregate_not_the_median():
+    paired, aggregate = speedups([10.0, 10.0, 100.0], [10.0, 10.0, 10.0])
+    assert paired == 1.0 and 1.4 < aggregate < 1.5  # 3 / (1 + 1 + 0.1)
+
+
+@pytest.mark.parametrize("shape", [
+    NgramShape("default chain"),
+    NgramShape("min 2 chain", num_draft_tokens=5, min_match=2, draft_tokens_by_match=()),
+    NgramShape("tree", num_draft_tokens=12, topk=3, draft_tokens_by_match=(2,)),
+], ids=lambda s: s.name)
+def test_replay_equals_the_engines_accept_lengths(tiny_dirs, shape):
+    """The offline replay predicts exactly what the on-device loop commits per step."""
+    from jaxspec.config import EngineSection, SpecSection
+    from jaxspec.engine import Engine, Request
+    from jaxspec.models.loading import load_model
+
+    model = load_model(str(tiny_dirs["llama"][0]), progress=False)
+    ecfg = EngineSection(max_batch_size=1, max_context=128, length_buckets=(16, 32, 64, 128))
+    plain = Engine(model.params, model.config, ecfg, progress=False)
+    spec = Engine(model.params, model.config, ecfg, progress=False, spec=SpecSection(
+        algorithm="ngram", topk=shape.topk, num_steps=3, num_draft_tokens=shape.num_draft_tokens,
+        ngram_min_match=shape.min_match, ngram_max_match=shape.max_match,
+        ngram_draft_tokens_by_match=shape.draft_tokens_by_match))
+    new, drafted = 40, 0
+    for prompt in ([5, 17, 33, 9, 100, 42, 7, 5, 17], [11, 12, 13, 11, 12], [99]):
+        target = plain.generate([Request(prompt, max_new_tokens=new + 16)])[0].output_ids
+        res = spec.generate([Request(prompt, max_new_tokens=new)])[0]
+        committed, nodes = replay_accept_lengths(prompt, target, shape, new)
+        assert res.output_ids == target[:new]
+        assert committed == res.accept_lengths
+        drafted += sum(n > 1 for n in nodes)
+    assert drafted > 0  # the prompts do exercise drafts, not only empty steps
