@@ -74,20 +74,27 @@ def replay_accept_lengths(
     return committed, nodes
 
 
-def step_costs(model, prompts, widths=(2, 4, 8), max_new: int = 128, reps: int = 3) -> dict[int, float]:
-    """{verify width: loop step time / plain step time}, acceptance forced to 1."""
+def step_costs(model, prompts, widths=(2, 4, 8), max_new: int = 128, reps: int = 5) -> dict[int, float]:
+    """{verify width: loop step time / plain step time}, acceptance forced to 1.
+
+    Engines take turns prompt by prompt (the machine drifts by several percent
+    within a minute), and each width's ratio is the median over (prompt,
+    repetition) of its time over plain's in the same turn."""
     from jaxspec.bench.spec import engine_for, run_engine
 
     engines = {1: engine_for(model, None)}
     for w in widths:
         engines[w] = engine_for(model, dict(algorithm="ngram", topk=1, num_steps=w - 1, num_draft_tokens=w,
                                             simulate_accept_length=1))
-    ms = {w: [] for w in engines}
-    for rep in range(reps):
-        for w, eng in engines.items():
-            rates, _ = run_engine(eng, prompts, max_new, warm=rep == 0)
-            ms[w] += [1 / r for r in rates]  # one token per step in both modes
-    return {w: median(v) / median(ms[1]) for w, v in ms.items()}
+    for eng in engines.values():
+        run_engine(eng, prompts[:1], max_new)  # compile + warm
+    ratios = {w: [] for w in engines}
+    for _ in range(reps):
+        for p in prompts:
+            secs = {w: 1 / run_engine(eng, [p], max_new, warm=False)[0][0] for w, eng in engines.items()}
+            for w in engines:  # one token per step in both modes
+                ratios[w].append(secs[w] / secs[1])
+    return {w: median(v) for w, v in ratios.items()}
 
 
 def predicted_speedup(nodes: list[int], max_new: int, costs: dict[int, float]) -> float:
