@@ -97,8 +97,19 @@ def step_costs(model, prompts, widths=(2, 4, 8), max_new: int = 128, reps: int =
     return {w: median(v) for w, v in ratios.items()}
 
 
-def predicted_speedup(nodes: list[int], max_new: int, costs: dict[int, float]) -> float:
-    widths = sorted(costs)
+def loop_widths(shape: NgramShape) -> tuple[int, ...]:
+    """The verify widths the loop compiles for this shape (`spec.loop.verify_widths`)."""
+    from jaxspec.config import SpecSection
+    from jaxspec.spec.loop import SpecPlan, verify_widths
+
+    return verify_widths(SpecPlan.from_config(SpecSection(
+        algorithm="ngram", topk=shape.topk, num_draft_tokens=shape.num_draft_tokens,
+        ngram_min_match=shape.min_match, ngram_max_match=shape.max_match,
+        ngram_draft_tokens_by_match=shape.draft_tokens_by_match)))
+
+
+def predicted_speedup(nodes: list[int], max_new: int, widths: tuple[int, ...], costs: dict[int, float]) -> float:
+    """Plain steps over the replayed steps' cost, each at the narrowest loop width holding its nodes."""
     cost = sum(costs[next(w for w in widths if w >= n)] for n in nodes)
     return (max_new - 1) / cost
 
@@ -128,18 +139,20 @@ def main(argv=None) -> int:
         NgramShape("chain k=7, 1-gram 2, 2-gram 3", draft_tokens_by_match=(2, 3)),
         NgramShape("tree 16 (topk 4)", num_draft_tokens=16, topk=4),
     ]
-    costs = step_costs(model, sets["MT-Bench"][:3], widths=(2, 4, 8, 16), max_new=new)
+    all_widths = sorted({w for shape in shapes for w in loop_widths(shape)} - {1})
+    costs = step_costs(model, sets["MT-Bench"][:3], widths=tuple(all_widths), max_new=new)
     plain = engine_for(model, None)
     rows = []
     for set_name, prompts in sets.items():
         # The target's greedy tokens, long enough to check drafts past the last committed one.
         targets = [plain.generate([Request(pr, max_new_tokens=new + 16)])[0].output_ids for pr in prompts]
         for shape in shapes:
-            taus, speedups, all_steps = [], [], []
+            widths = loop_widths(shape)
+            speedups, all_steps = [], []
             for pr, tgt in zip(prompts, targets):
                 committed, nodes = replay_accept_lengths(pr, tgt, shape, new)
                 all_steps += committed
-                speedups.append(predicted_speedup(nodes, new, costs))
+                speedups.append(predicted_speedup(nodes, new, widths, costs))
             rows.append([set_name, shape.name, float(np.mean(all_steps)), median(speedups),
                          len(speedups) / sum(1 / s for s in speedups)])
     print(f"\nreplayed n-gram ablation: {model.path.name}, float32, batch 1, {new} new tokens, EOS ignored, "

@@ -273,9 +273,10 @@ def ngram_propose(
     # Negative tokens separate documents (a prepended corpus, `corpus_token_array`):
     # a continuation stops there, so no draft crosses from one text into another.
     next_sep = jax.lax.cummin(jnp.where(history < 0, qpos, c), axis=1, reverse=True)
-    cap = jnp.array([depth] + [min(depth, t) for t in draft_tokens_by_match[:max_match]]
-                    + [depth] * max(0, max_match - len(draft_tokens_by_match)), jnp.int32)  # [max_match + 1]
-    cont_len = jnp.minimum(jnp.minimum(hist_len[:, None], next_sep) - qpos, cap[jnp.minimum(ml, max_match)])
+    # cap[n] for match length n (ml <= max_match; check_ngram_config bounds the tuple).
+    cap = jnp.array([depth] + [min(depth, t) for t in draft_tokens_by_match]
+                    + [depth] * (max_match - len(draft_tokens_by_match)), jnp.int32)  # [max_match + 1]
+    cont_len = jnp.minimum(jnp.minimum(hist_len[:, None], next_sep) - qpos, cap[ml])
     cont_len = jnp.where(in_range, cont_len, 0)
 
     # 2. Pick up to topk branches.
