@@ -7,7 +7,7 @@ Two pure functions per shape bucket, compiled ahead of time and cached:
 * `decode_fn(params, state)` runs a `lax.while_loop` until every sequence is
   done: single-token steps with the `DecodeState` carry, or, with speculation
   on, draft -> verify -> commit iterations with the `SpecState` carry
-  (`jaxspec.spec.loop`; the spec prefill also prefills the draft model).
+  (`jaxspec.speculative.loop`; the spec prefill also prefills the draft model).
 
 The cache is donated to both, so it is updated in place. Buckets are
 (batch, prompt length, context) for prefill and (batch, context) for decode;
@@ -38,7 +38,7 @@ from jaxspec.models import sharding as shd
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.native.build import use_native_kernels
-from jaxspec.spec.sampling import sample_token
+from jaxspec.speculative.sampling import sample_token
 
 MAX_STOP_IDS = 8
 
@@ -129,8 +129,8 @@ def make_prefill_fn(cfg: ModelConfig):
 
 def make_spec_prefill_fn(cfg: ModelConfig, drafter):
     """Target prefill, then the loop carry of the speculative loop (and the draft prefill)."""
-    from jaxspec.spec.loop import SpecState
-    from jaxspec.spec.standalone import DraftState
+    from jaxspec.speculative.loop import SpecState
+    from jaxspec.speculative.standalone import DraftState
 
     prefill = make_prefill_fn(cfg)
 
@@ -240,10 +240,10 @@ class Engine:
         self.last_timing: dict[str, float] = {}
 
     def _init_spec(self, spec, draft, num_pages: int, ngram_corpus) -> None:
-        from jaxspec.spec.loop import SpecPlan, make_spec_decode_fn
-        from jaxspec.spec.standalone import StandaloneDrafter
+        from jaxspec.speculative.loop import SpecPlan, make_spec_decode_fn
+        from jaxspec.speculative.standalone import StandaloneDrafter
 
-        from jaxspec.spec.algorithm import validate_spec_config
+        from jaxspec.speculative.algorithm import validate_spec_config
 
         plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=True))
         if ngram_corpus is not None:
@@ -407,8 +407,8 @@ class Engine:
         jitted apart and timed on the host (the fused loop has no per-phase
         clock). Same tokens; one host round trip per iteration, so the total is
         a little above the fused loop's. Returns PhaseTimer.to_dict()."""
-        from jaxspec.spec.loop import make_phase_fns
-        from jaxspec.spec.metrics import PhaseTimer
+        from jaxspec.speculative.loop import make_phase_fns
+        from jaxspec.speculative.metrics import PhaseTimer
 
         if self.spec_plan is None:
             raise RequestError("profile_phases needs speculative decoding (spec.algorithm != none)")

@@ -165,8 +165,8 @@ def stop_token_ids(model) -> tuple[int, ...]:
 def build_draft(cfg, model, dtype, progress):
     """(params, config) of the standalone draft model, or None for drafters without one."""
     from jaxspec.models.loading import load_model
-    from jaxspec.spec.algorithm import validate_spec_config
-    from jaxspec.spec.standalone import truncate_layers
+    from jaxspec.speculative.algorithm import validate_spec_config
+    from jaxspec.speculative.standalone import truncate_layers
 
     # The CLI may set simulate_accept_length (benchmark mode); its output is labelled non-exact.
     spec = validate_spec_config(cfg.spec, benchmark=True)
@@ -208,7 +208,7 @@ def run(args) -> int:
     draft = build_draft(cfg, model, dtype, progress) if spec_on else None
     corpus = None
     if spec_on and cfg.spec.ngram_corpus:
-        from jaxspec.spec.ngram import corpus_token_array
+        from jaxspec.speculative.ngram import corpus_token_array
 
         try:
             corpus = corpus_token_array(cfg.spec.ngram_corpus, model.tokenizer)
@@ -247,7 +247,7 @@ def run(args) -> int:
         file=sys.stderr,
     )
     if spec_on:
-        from jaxspec.spec.metrics import batch_metrics
+        from jaxspec.speculative.metrics import batch_metrics
 
         _, total = batch_metrics([r.accept_lengths for r in results], cfg.spec.num_draft_tokens - 1)
         label = f"spec[{cfg.spec.algorithm}]" + (" SIMULATED, output not exact" if cfg.spec.simulate_accept_length else "")
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.models.sharding import MeshError
     from jaxspec.prompts import PromptError
     from jaxspec.cache.paged import OutOfPagesError
-    from jaxspec.spec.algorithm import SpecConfigError
+    from jaxspec.speculative.algorithm import SpecConfigError
     from jaxspec.native.build import NativeKernelError
 
     args = build_parser().parse_args(argv)

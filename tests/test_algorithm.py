@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from jaxspec.config import SpecSection, load_config
-from jaxspec.spec import algorithm as A
-from jaxspec.spec.algorithm import AlgorithmInfo, SpecAlgorithm, SpecConfigError
-from jaxspec.spec.tree import max_draft_tokens
+from jaxspec.speculative import algorithm as A
+from jaxspec.speculative.algorithm import AlgorithmInfo, SpecAlgorithm, SpecConfigError
+from jaxspec.speculative.tree import max_draft_tokens
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from jaxspec.spec import metrics as M
-from jaxspec.spec.metrics import PhaseTimer, SpecMetrics
+from jaxspec.speculative import metrics as M
+from jaxspec.speculative.metrics import PhaseTimer, SpecMetrics
 
 
 def test_hand_computed_request():

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxspec.spec.ngram import NgramCorpus, merge_extra, ngram_propose
+from jaxspec.speculative.ngram import NgramCorpus, merge_extra, ngram_propose
 
 B, C = 3, 20
 # (num_draft_tokens, topk, min_match, max_match[, draft_tokens_by_match])
@@ -380,7 +380,7 @@ def test_corpus_extra_into_device_proposal():
 
 
 def test_prepended_corpus_supplies_drafts_and_separators_stop_continuations(tmp_path):
-    from jaxspec.spec.ngram import CORPUS_SEPARATOR, corpus_token_array
+    from jaxspec.speculative.ngram import CORPUS_SEPARATOR, corpus_token_array
 
     path = tmp_path / "corpus.jsonl"
     path.write_text('{"prompt_ids": [1, 2, 3, 4, 5]}\n{"output_ids": [7, 8, 9]}\n')

@@ -27,8 +27,8 @@ import pytest
 from jax import lax
 from scipy import stats
 
-from jaxspec.spec.sampling import make_verify_noise, sample_token, target_probs_from_logits
-from jaxspec.spec.verify import (
+from jaxspec.speculative.sampling import make_verify_noise, sample_token, target_probs_from_logits
+from jaxspec.speculative.verify import (
     emitted_tokens,
     verify_rejection,
     verify_rejection_ref,

@@ -21,8 +21,8 @@ from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.models.llama import forward
 from jaxspec.models.loading import load_model
-from jaxspec.spec.loop import spec_iteration
-from jaxspec.spec.standalone import truncate_layers
+from jaxspec.speculative.loop import spec_iteration
+from jaxspec.speculative.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, hf_greedy
 
 PROMPTS = [[5, 17, 33, 9, 100, 42, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [99]]
@@ -50,7 +50,7 @@ def spec_engine(model, page_size=16, draft=None, **spec_kw):
 def _standalone_cases():
     """Every valid (topk, steps, num_draft_tokens) in {1,2,4} x {1,3,5} x {2,4,8,16}; page size and
     batch alternate so both values of each meet every tree shape family."""
-    from jaxspec.spec.tree import max_draft_tokens
+    from jaxspec.speculative.tree import max_draft_tokens
 
     cases = []
     for topk in (1, 2, 4):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxspec.pallas.tree_build import build_tree_pallas
-from jaxspec.spec import tree as T
+from jaxspec.speculative import tree as T
 
 B = 2
 MAX_KV = 96

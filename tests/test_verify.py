@@ -18,12 +18,12 @@ from jaxspec.pallas.verify import (
     verify_rejection_pallas,
     verify_target_only_pallas,
 )
-from jaxspec.spec.sampling import (
+from jaxspec.speculative.sampling import (
     make_verify_noise,
     sample_token,
     target_probs_from_logits,
 )
-from jaxspec.spec.verify import (
+from jaxspec.speculative.verify import (
     VerifyResult,
     emitted_tokens,
     verify_greedy,
@@ -35,7 +35,7 @@ from jaxspec.spec.verify import (
 )
 
 # --------------------------------------------------------------------------
-# Local tree helpers (the convention of jaxspec.spec.tree, rebuilt in numpy)
+# Local tree helpers (the convention of jaxspec.speculative.tree, rebuilt in numpy)
 # --------------------------------------------------------------------------
 
 
@@ -443,7 +443,7 @@ def test_greedy_requests_agree_across_verifiers():
 
 
 def test_argmax_last_equals_jnp_argmax_with_ties():
-    from jaxspec.spec.sampling import argmax_last
+    from jaxspec.speculative.sampling import argmax_last
 
     rng = np.random.default_rng(7)
     x = rng.integers(-3, 4, size=(5, 4, 300)).astype(np.float32)  # many ties

@@ -55,8 +55,8 @@ def check_kernels(interpret: bool, small: bool) -> bool:
     from jaxspec.pallas.gpu_check_attention import check, make_case
     from jaxspec.pallas.tree_build import build_tree_pallas
     from jaxspec.pallas.verify import verify_greedy_pallas, verify_rejection_pallas, verify_target_only_pallas
-    from jaxspec.spec.tree import build_tree_ref
-    from jaxspec.spec.verify import verify_greedy_ref, verify_rejection_ref, verify_target_only_ref
+    from jaxspec.speculative.tree import build_tree_ref
+    from jaxspec.speculative.verify import verify_greedy_ref, verify_rejection_ref, verify_target_only_ref
 
     rng = np.random.default_rng(0)
     ok = True

@@ -43,10 +43,10 @@ def replay_accept_lengths(
 ) -> tuple[list[int], list[int]]:
     """(committed tokens per verify step, nodes per step incl. the root) of the n-gram loop.
 
-    Mirrors `jaxspec.spec.loop`: after prefill the first token is committed, the
+    Mirrors `jaxspec.speculative.loop`: after prefill the first token is committed, the
     history ends at the root, and a step commits its accepted path plus the
-    target's next token (see `jaxspec.spec.verify`), until max_new tokens."""
-    from jaxspec.spec.ngram import ngram_propose
+    target's next token (see `jaxspec.speculative.verify`), until max_new tokens."""
+    from jaxspec.speculative.ngram import ngram_propose
 
     full = np.asarray(list(prompt) + list(target_tokens), np.int32)
     width = 1 << int(np.ceil(np.log2(len(prompt) + max_new + 1)))  # one compiled shape per bucket
@@ -100,7 +100,7 @@ def step_costs(model, prompts, widths=(2, 4, 8), max_new: int = 128, reps: int =
 def loop_widths(shape: NgramShape) -> tuple[int, ...]:
     """The verify widths the loop compiles for this shape (`spec.loop.verify_widths`)."""
     from jaxspec.config import SpecSection
-    from jaxspec.spec.loop import SpecPlan, verify_widths
+    from jaxspec.speculative.loop import SpecPlan, verify_widths
 
     return verify_widths(SpecPlan.from_config(SpecSection(
         algorithm="ngram", topk=shape.topk, num_draft_tokens=shape.num_draft_tokens,

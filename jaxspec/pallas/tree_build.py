@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxspec.spec.tree import TreeInfo, assemble_tree_info, node_valid, num_mask_words
+from jaxspec.speculative.tree import TreeInfo, assemble_tree_info, node_valid, num_mask_words
 
 
 def _padded_nodes(n: int) -> int:
@@ -113,7 +113,7 @@ def build_tree_pallas(
     max_kv: int | None = None,
     interpret: bool = False,
 ) -> TreeInfo:
-    """Kernel version of `jaxspec.spec.tree.build_tree_ref` (same outputs)."""
+    """Kernel version of `jaxspec.speculative.tree.build_tree_ref` (same outputs)."""
     b, n = tokens.shape
     np_ = _padded_nodes(n)
     n_words = num_mask_words(n)  # real rows have no bits past column n

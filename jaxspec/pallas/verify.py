@@ -1,7 +1,7 @@
 """Pallas kernels for tree verification (greedy, target-only, rejection).
 
 Semantics, inputs and the returned bonus-token convention are those of
-`jaxspec.spec.verify` (its module docstring); the jnp references there are the
+`jaxspec.speculative.verify` (its module docstring); the jnp references there are the
 specification these kernels are tested against.
 
 Design:
@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.spec.verify import (
+from jaxspec.speculative.verify import (
     VerifyResult,
     verify_greedy_ref,
     verify_rejection_ref,
@@ -176,7 +176,7 @@ def verify_greedy_pallas(
     max_depth: int,
     interpret: bool = False,
 ) -> VerifyResult:
-    """Kernel version of `jaxspec.spec.verify.verify_greedy_ref`."""
+    """Kernel version of `jaxspec.speculative.verify.verify_greedy_ref`."""
     if _use_reference(interpret):
         return verify_greedy_ref(tokens, retrieve_next_token, retrieve_next_sibling,
                                  target_predict, max_depth=max_depth)
@@ -279,7 +279,7 @@ def verify_target_only_pallas(
     interpret: bool = False,
     vocab_tile: int = DEFAULT_VOCAB_TILE,
 ) -> VerifyResult:
-    """Kernel version of `jaxspec.spec.verify.verify_target_only_ref`."""
+    """Kernel version of `jaxspec.speculative.verify.verify_target_only_ref`."""
     if _use_reference(interpret):
         return verify_target_only_ref(
             tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
@@ -407,7 +407,7 @@ def verify_rejection_pallas(
     interpret: bool = False,
     vocab_tile: int = DEFAULT_VOCAB_TILE,
 ) -> VerifyResult:
-    """Kernel version of `jaxspec.spec.verify.verify_rejection_ref`."""
+    """Kernel version of `jaxspec.speculative.verify.verify_rejection_ref`."""
     if _use_reference(interpret):
         return verify_rejection_ref(tokens, retrieve_next_token, retrieve_next_sibling,
                                     target_probs, draft_probs, uniforms, bonus_noise,

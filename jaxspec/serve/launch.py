@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.serve.app import create_app
     from jaxspec.serve.server import build_server
     from jaxspec.native.build import NativeKernelError
-    from jaxspec.spec.algorithm import SpecConfigError
+    from jaxspec.speculative.algorithm import SpecConfigError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,7 +13,7 @@ Two executables per bucket:
   chunk's end (used when the chunk finishes the prompt);
 * `decode(k, b, ctx)`: up to `steps_per_call` draft -> verify -> commit
   iterations inside one `lax.while_loop` (the `SpecState` carry of
-  `jaxspec.spec.loop`), with draft length k (k = 0: plain decoding, one
+  `jaxspec.speculative.loop`), with draft length k (k = 0: plain decoding, one
   token per iteration). Adaptive speculation picks k per call.
 """
 
@@ -30,9 +30,9 @@ import numpy as np
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
 from jaxspec.models import sharding as shd
 from jaxspec.models.llama import forward
-from jaxspec.spec.loop import SpecPlan, SpecState, make_spec_decode_fn
-from jaxspec.spec.sampling import sample_token
-from jaxspec.spec.standalone import DraftState, StandaloneDrafter
+from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
+from jaxspec.speculative.sampling import sample_token
+from jaxspec.speculative.standalone import DraftState, StandaloneDrafter
 
 
 @dataclasses.dataclass

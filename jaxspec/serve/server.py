@@ -139,7 +139,7 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
     draft = build_draft(dataclasses.replace(cfg, spec=spec), model, dtype, progress)
     corpus = None
     if spec.ngram_corpus:
-        from jaxspec.spec.ngram import corpus_token_array
+        from jaxspec.speculative.ngram import corpus_token_array
 
         corpus = corpus_token_array(spec.ngram_corpus, model.tokenizer)
     if s.adaptive and candidates != (0,):

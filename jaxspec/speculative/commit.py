@@ -1,7 +1,7 @@
 """KV commit after verification (SGLang `move_accept_tokens_to_target_kvcache`).
 
 During verification node i of the tree is written at slot `seq_len + i`. The
-accepted path (accept_index, see the convention in `jaxspec.spec.verify`) must
+accepted path (accept_index, see the convention in `jaxspec.speculative.verify`) must
 end up contiguous: node accept_index[d] moves to slot `seq_len + d`. Slots past
 the new length keep stale values; they are never visible (attention masks by
 length) and the next verify overwrites them, so no page is lost or leaked.

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
-from jaxspec.spec.sampling import target_probs_from_logits
-from jaxspec.spec.tree import organize_draft_tree, root_step, select_frontier
+from jaxspec.speculative.sampling import target_probs_from_logits
+from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 
 _DRAFT_STREAM = 0x5D
 
@@ -169,7 +169,7 @@ def truncate_layers(params: dict, cfg: ModelConfig, num_layers: int) -> tuple[di
     The layer leaves are slices of the target's stacked arrays, so no training is needed.
     """
     if not 1 <= num_layers <= cfg.num_layers:
-        from jaxspec.spec.algorithm import SpecConfigError
+        from jaxspec.speculative.algorithm import SpecConfigError
 
         raise SpecConfigError(f"draft_layers must be in [1, {cfg.num_layers}], got {num_layers}")
     layers = params["layers"]

@@ -1,6 +1,6 @@
 """Tree verification: which draft nodes the target accepts, and the bonus token.
 
-Inputs follow the tree convention of `jaxspec.spec.tree`: per sequence N nodes,
+Inputs follow the tree convention of `jaxspec.speculative.tree`: per sequence N nodes,
 node 0 the root (last committed token), `retrieve_next_token[b, i]` the first
 non-padding child of node i (or -1), `retrieve_next_sibling[b, i]` the next
 non-padding sibling (or -1), sibling order = index order.
@@ -55,7 +55,7 @@ Three verifiers, all walking from the root through the child/sibling tables:
   sum min(p, q) per test) when q is known and informative.
 
 Bonus tokens are sampled by exponential race with bonus_noise [B, V] (see
-`jaxspec.spec.sampling`); `make_verify_noise` derives uniforms and bonus_noise
+`jaxspec.speculative.sampling`); `make_verify_noise` derives uniforms and bonus_noise
 from per-request seeds. Greedy requests in a sampled batch get one-hot target
 probs (temperature 0) and then reproduce `verify_greedy` exactly.
 
@@ -81,7 +81,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from jaxspec.pallas import interpret_mode, use_kernel
-from jaxspec.spec.sampling import make_verify_noise, race_sample
+from jaxspec.speculative.sampling import make_verify_noise, race_sample
 
 __all__ = [
     "VerifyResult",

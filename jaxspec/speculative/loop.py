@@ -6,7 +6,7 @@
 lives on device, which is what lets the n-gram drafter run inside the loop.
 Invariant: history[b, hist_len[b] - 1] is the root (the last committed token,
 whose K/V is not yet in the target cache), so the target cache holds
-hist_len - 1 tokens. Accept/bonus semantics: see `jaxspec.spec.verify`.
+hist_len - 1 tokens. Accept/bonus semantics: see `jaxspec.speculative.verify`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from jaxspec.config import SpecSection
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.pallas import use_kernel
-from jaxspec.spec.commit import commit_accepted_kv
-from jaxspec.spec.sampling import argmax_last, make_verify_noise, target_probs_from_logits
-from jaxspec.spec.tree import build_tree
-from jaxspec.spec.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
+from jaxspec.speculative.commit import commit_accepted_kv
+from jaxspec.speculative.sampling import argmax_last, make_verify_noise, target_probs_from_logits
+from jaxspec.speculative.tree import build_tree
+from jaxspec.speculative.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
 
 
 @jax.tree_util.register_dataclass
@@ -85,7 +85,7 @@ def _draft(plan: SpecPlan, drafter, draft_params, s: SpecState):
     """Tokens [B,N], parents [B,N] | None (chain), draft_probs [B,N,V] | None, new drafter state."""
     live = ~s.done
     if plan.algorithm == "ngram":
-        from jaxspec.spec.ngram import ngram_propose
+        from jaxspec.speculative.ngram import ngram_propose
 
         history, hist_len = s.history, s.hist_len
         if s.corpus is not None:

@@ -75,7 +75,7 @@ def make_verify_noise(
 
     Returns:
       uniforms: [B, N] float32 in [0, 1); uniforms[b, j] is the coin of node j
-        (see jaxspec.spec.verify for which test uses which coin).
+        (see jaxspec.speculative.verify for which test uses which coin).
       bonus_noise: [B, V] float32 Exp(1) samples (> 0) for the exponential race
         that draws the bonus token. It does not depend on N, so it equals the
         noise `sample_token` uses at the same (seed, position): a verify step

@@ -1,6 +1,6 @@
 """N-gram (prompt-lookup) drafting: an on-device proposer plus a host corpus.
 
-The draft tree follows the convention of `jaxspec.spec.tree` (N nodes, node 0 =
+The draft tree follows the convention of `jaxspec.speculative.tree` (N nodes, node 0 =
 root = last committed token, parents[i] < i, token < 0 = padding with parent 0,
 sibling order = index order, higher priority first).
 

@@ -2,7 +2,7 @@
 
 Inputs are what the engine records per request: the accept length of every
 verify step, i.e. committed tokens = num_accepted + 1 (the bonus-token
-convention in `jaxspec.spec.verify`), and how many draft tokens that step
+convention in `jaxspec.speculative.verify`), and how many draft tokens that step
 proposed: num_draft_tokens - 1, or the non-padding count when a drafter padded.
 
 `SpecMetrics` keeps only additive counts, so merging across requests, batches

@@ -21,7 +21,7 @@ import enum
 from typing import Any, Callable
 
 from jaxspec.config import SpecSection
-from jaxspec.spec.tree import check_draft_config
+from jaxspec.speculative.tree import check_draft_config
 
 
 class SpecConfigError(ValueError):
