@@ -146,20 +146,35 @@ def spec(**kw) -> SpecSection:
     return SpecSection(**{**GOOD, **kw})
 
 
+def _assert_validated(given: SpecSection, algorithm: str, **validate_kw) -> SpecSection:
+    """validate_spec_config returns `given` with only `algorithm` canonicalised."""
+    out = A.validate_spec_config(given, **validate_kw)
+    assert isinstance(out, SpecSection)
+    assert out.algorithm == algorithm
+    for f in dataclasses.fields(SpecSection):
+        if f.name != "algorithm":
+            assert getattr(out, f.name) == getattr(given, f.name), f.name
+    return out
+
+
 def test_valid_configs_pass_and_canonicalise():
-    assert A.validate_spec_config(SpecSection()) == SpecSection()  # defaults: none
-    assert A.validate_spec_config(spec(algorithm="NGRAM")).algorithm == "ngram"
-    out = A.validate_spec_config(spec(algorithm="Standalone", draft_model="m", topk=2,
-                                      num_draft_tokens=max_draft_tokens(3, 2), verify="rejection"))
-    assert out.algorithm == "standalone"
-    assert A.validate_spec_config(spec(algorithm="standalone", draft_layers=2)).draft_layers == 2
-    assert A.validate_spec_config(spec(simulate_accept_length=4), benchmark=True)
+    _assert_validated(SpecSection(), "none")  # defaults
+    _assert_validated(spec(algorithm="NGRAM"), "ngram")
+    _assert_validated(spec(algorithm=" NGram "), "ngram")
+    out = _assert_validated(spec(algorithm="Standalone", draft_model="m", topk=2,
+                                 num_draft_tokens=max_draft_tokens(3, 2), verify="rejection"), "standalone")
+    assert (out.draft_model, out.topk, out.num_draft_tokens, out.verify) == ("m", 2, 11, "rejection")
+    assert _assert_validated(spec(algorithm="standalone", draft_layers=2), "standalone").draft_layers == 2
+    out = _assert_validated(spec(simulate_accept_length=4), "ngram", benchmark=True)
+    assert out.simulate_accept_length == 4
     # N-gram depth is bounded by num_draft_tokens alone, not by num_steps.
-    assert A.validate_spec_config(spec(num_steps=1, num_draft_tokens=8)).num_draft_tokens == 8
-    # "none" ignores the drafter fields: a leftover tree config does not fail.
-    assert A.validate_spec_config(spec(algorithm="none", topk=8, num_draft_tokens=1000))
+    out = _assert_validated(spec(num_steps=1, num_draft_tokens=8), "ngram")
+    assert (out.num_steps, out.num_draft_tokens) == (1, 8)
+    # "none" ignores the drafter fields: a leftover tree config does not fail and is kept as given.
+    out = _assert_validated(spec(algorithm="None", topk=8, num_draft_tokens=1000), "none")
+    assert (out.topk, out.num_draft_tokens) == (8, 1000)
     # The loaded default config validates.
-    assert A.validate_spec_config(load_config(None).spec).algorithm == "none"
+    _assert_validated(load_config(None).spec, "none")
 
 
 @pytest.mark.parametrize("kw, message", [
