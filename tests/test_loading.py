@@ -298,6 +298,27 @@ def test_gguf_cache_is_reused_and_keyed_by_file(tiny_gguf, tmp_path, monkeypatch
     assert len(calls) == 2
 
 
+def test_cache_root_precedence(tmp_path, monkeypatch):
+    from jaxspec.paths import cache_root
+
+    monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "env"))
+    assert cache_root(tmp_path / "arg") == tmp_path / "arg"  # an explicit dir wins
+    assert cache_root() == tmp_path / "env"
+    monkeypatch.delenv("JAXSPEC_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "jaxspec"
+    assert loading.cache_root is cache_root  # the old import path still works
+
+
+def test_gguf_errors_are_load_errors():
+    # gguf_convert raises the LoadError that loading (and generate's error
+    # handler) catches: one class, defined beside ConfigError.
+    from jaxspec.models import config
+
+    assert gguf_convert.LoadError is loading.LoadError is config.LoadError
+    assert issubclass(LoadError, ValueError)
+
+
 def test_interrupted_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch):
     _, path = tiny_gguf
 

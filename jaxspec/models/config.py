@@ -24,6 +24,15 @@ class ConfigError(ValueError):
     """A model config that jaxspec cannot run; the message names the field."""
 
 
+class LoadError(ValueError):
+    """A model that cannot be loaded; the message names the file or tensor.
+
+    Defined here, beside ConfigError, rather than in loading.py: gguf_convert
+    raises it and loading imports gguf_convert, so it must live below both.
+    `jaxspec.models.loading.LoadError` is the same class, re-exported.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     # "default" (none), "linear" or "llama3".

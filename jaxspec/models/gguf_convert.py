@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.models.loading import LoadError
+from jaxspec.models.config import LoadError
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type). llama.cpp
 # writes Mistral as "llama" too; LlamaForCausalLM runs those weights unchanged.

