@@ -173,8 +173,20 @@ def test_phase_timer():
         t.add("other", -1.0)
 
 
-def test_phase_timer_real_clock():
+def test_phase_timer_default_clock_is_perf_counter():
+    """The default clock is time.perf_counter, in seconds: a phase's measured time lies
+    between two perf_counter intervals read inside and around it. Nesting, not
+    durations, so it holds on any machine; a different clock (time.time, a _ns
+    counter, a wrong unit) or a start/stop taken at the wrong point fails it."""
+    import time
+
     t = PhaseTimer()
-    with t.phase("other"):
-        pass
-    assert t.seconds["other"] >= 0 and t.counts["other"] == 1
+    outer0 = time.perf_counter()
+    with t.phase("draft"):
+        inner0 = time.perf_counter()
+        while time.perf_counter() - inner0 < 2e-3:  # advance the clock; no sleep, no wall-time assertion
+            pass
+        inner1 = time.perf_counter()
+    outer1 = time.perf_counter()
+    assert inner1 - inner0 <= t.seconds["draft"] <= outer1 - outer0
+    assert t.counts["draft"] == 1 and t.seconds["verify"] == 0.0 and t.counts["verify"] == 0
