@@ -225,6 +225,8 @@ def test_target_only_ref_matches_python_walk(thresholds):
     check_against_python(got, [
         py_target_only(tokens[s], nt[s], ns[s], p[s], u[s], e[s], *thresholds, 5)
         for s in range(B)])
+    n = np.asarray(got.num_accepted)
+    assert n.max() >= 2 and (n == 0).any()  # deep accepts and rejections both compared
 
 
 @pytest.mark.parametrize("one_hot", [False, True])
@@ -250,6 +252,8 @@ def test_greedy_kernel_matches_ref():
         want = verify_greedy_ref(tokens, nt, ns, pred, max_depth=4)
         assert_same(verify_greedy_pallas(tokens, nt, ns, pred, max_depth=4, interpret=True),
                     want)
+        check_against_python(want, [py_greedy(tokens[s], nt[s], ns[s], pred[s], 4) for s in range(B)])
+        assert np.asarray(want.num_accepted).max() >= 2
 
 
 # (vocab, vocab_tile, max_depth): one whole tile, and several tiles with a
@@ -318,6 +322,7 @@ def test_dispatch_uses_kernel_in_interpret_mode(monkeypatch):
            verify_rejection(tokens, nt, ns, p, q, u, e, max_depth=5))
     for g, w in zip(got, want):
         assert_same(g, w)
+        assert np.asarray(w.num_accepted).max() >= 2  # the dispatched kernels do accept drafts
 
 
 def test_kernels_lower_to_triton():
@@ -437,6 +442,11 @@ def test_greedy_requests_agree_across_verifiers():
                                      np.ones(B, np.float32))
     pred = logits.argmax(-1).astype(np.int32)
     want = verify_greedy_ref(tokens, nt, ns, pred, max_depth=5)
+    # The shared answer is the plain-Python greedy walk, and it accepts drafts (on
+    # all-rejecting trees every verifier would agree on the argmax bonus alone).
+    check_against_python(want, [py_greedy(tokens[s], nt[s], ns[s], pred[s], 5) for s in range(B)])
+    n = np.asarray(want.num_accepted)
+    assert n.max() >= 2 and (n > 0).sum() >= B // 2 and (n == 0).any()
     assert_same(verify_rejection_ref(tokens, nt, ns, probs, q, u, e, max_depth=5), want)
     assert_same(verify_rejection_ref(tokens, nt, ns, probs, None, u, e, max_depth=5), want)
     assert_same(verify_target_only_ref(tokens, nt, ns, probs, u, e, max_depth=5), want)
