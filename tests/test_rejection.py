@@ -6,13 +6,16 @@ and a first-order draft Q[prev1]. Each run decodes with speculative steps
 the bonus becomes the next root) until at least K = 3 tokens are out; the
 joint distribution of the first K emitted tokens (216 cells) must equal the
 target's exact one. RUNS = 100_000 runs per configuration, batched through the
-jnp references (jitted). Cells with expected count < 5 are pooled.
+jnp references (jitted). Cells with expected count < 5 are pooled. The verify
+noise comes from `make_verify_noise(seed, position)`, the engine's own keying
+(one seed per run, the position advancing with the tokens emitted), except in
+one baseline case with unkeyed noise (see NOISE_MODES).
 
 Significance: every "must match" test rejects at p < ALPHA = 1e-3 (per test,
-no multiplicity correction: 9 such tests, so a false alarm has
+no multiplicity correction: 11 such tests, so a false alarm has
 probability ~1e-2 per full run; seeds are fixed, so results are reproducible).
-Every "must fail" test (deliberately broken samplers, thresholds < 1) requires
-p < ALPHA as well and in practice gets p ~ 0.
+Every "must fail" test (deliberately broken samplers, thresholds < 1, noise
+keyings that repeat) requires p < ALPHA as well and in practice gets p ~ 0.
 """
 
 from __future__ import annotations
@@ -181,8 +184,46 @@ def _verifier(name):
 # --------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("parents", "mode", "verifier"))
-def simulate(key, parents, mode, verifier):
+# How a simulated run gets its verify noise (uniforms [N], bonus Exp(1) [V]) each step:
+#   "fresh":     independent jax.random draws, no request keying at all (the algorithm alone);
+#   "seeds":     make_verify_noise(seed, position) as the engine calls it: run r is a request
+#                with seed SEED0 + r (consecutive, as the server's n choices get) and a prompt
+#                of PROMPT_LEN[r] tokens; position = the index of the first token the step emits;
+#   "positions": one seed for every run, each run a disjoint window of positions (one long
+#                seeded request cut into pieces);
+# and two deliberately broken keyings, which the chi-square must catch:
+#   "stuck":     per-run seeds but the position never advances (noise reused every step);
+#   "shared":    one (seed, position) per step for every run (all runs share their noise).
+NOISE_MODES = ("fresh", "seeds", "positions", "stuck", "shared")
+SEED0 = 1000
+PROMPT_LEN = 2 + (np.arange(RUNS) * 7919) % 4093  # many distinct start positions
+WINDOW = 64  # >= the tokens one run emits (K steps of at most depth + 1): windows never overlap
+
+
+def step_noise(noise, keys, count, n):
+    """uniforms [RUNS, n], bonus noise [RUNS, V] for one step; count [RUNS] = tokens emitted so far."""
+    if noise == "fresh":
+        u = jax.vmap(lambda k: jax.random.uniform(k, (n,)))(keys[:, 1])
+        e = jax.vmap(lambda k: jax.random.exponential(k, (V,)))(keys[:, 2])
+        return u, e
+    run = jnp.arange(RUNS, dtype=jnp.int32)
+    if noise == "seeds":
+        seeds, positions = (SEED0 + run).astype(jnp.uint32), jnp.asarray(PROMPT_LEN, jnp.int32) + count
+    elif noise == "positions":
+        seeds, positions = jnp.full((RUNS,), SEED0, jnp.uint32), 2 + WINDOW * run + count
+    elif noise == "stuck":
+        seeds, positions = (SEED0 + run).astype(jnp.uint32), jnp.asarray(PROMPT_LEN, jnp.int32)
+    elif noise == "shared":
+        seeds, positions = jnp.full((RUNS,), SEED0, jnp.uint32), 2 + jnp.max(count) + 0 * count
+    else:
+        raise ValueError(noise)
+    u, e = make_verify_noise(seeds, positions, n, V)
+    assert u.shape == (RUNS, n) and e.shape == (RUNS, V)
+    return u, e
+
+
+@functools.partial(jax.jit, static_argnames=("parents", "mode", "verifier", "noise"))
+def simulate(key, parents, mode, verifier, noise="fresh"):
     """[RUNS, K] first K tokens emitted by speculative decoding, and the mean
     number of accepted drafts per step (so tests can check drafts do get in)."""
     n, max_depth = len(parents), depth_of(parents)
@@ -203,8 +244,7 @@ def simulate(key, parents, mode, verifier):
         #    root on the committed context.
         ctx2 = jnp.where(jnp.arange(n) == 0, prev2[:, None], toks[:, parent_idx])
         tp = jnp.asarray(P)[ctx2, toks]
-        u = jax.vmap(lambda k: jax.random.uniform(k, (n,)))(keys[:, 1])
-        e = jax.vmap(lambda k: jax.random.exponential(k, (V,)))(keys[:, 2])
+        u, e = step_noise(noise, keys, count, n)
         acc, num, bonus = verify(toks, nt, ns, tp, dps, u, e, max_depth=max_depth)
         em = emitted_tokens(toks, (acc, num, bonus))
         out = jax.vmap(lambda o, c, x: lax.dynamic_update_slice(o, x, (c,)))(out, count, em)
@@ -217,9 +257,9 @@ def simulate(key, parents, mode, verifier):
     return out[:, :K], accepted
 
 
-def joint_pvalue(parents, mode, verifier, seed=0) -> tuple[float, float]:
+def joint_pvalue(parents, mode, verifier, seed=0, noise="fresh") -> tuple[float, float]:
     """(chi-square p-value of the first-K joint, mean accepted drafts per step)."""
-    toks, accepted = simulate(jax.random.key(seed), parents, mode, verifier)
+    toks, accepted = simulate(jax.random.key(seed), parents, mode, verifier, noise)
     toks = np.asarray(toks)
     assert (toks >= 0).all()
     counts = np.zeros((V,) * K)
@@ -232,16 +272,22 @@ def joint_pvalue(parents, mode, verifier, seed=0) -> tuple[float, float]:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parents,mode,verifier", [
-    (CHAIN3, "iid", "rejection"),  # Leviathan et al.
-    (TREE22, "iid", "rejection"),  # i.i.d. siblings (duplicates possible)
-    (ASYM, "wor", "rejection"),  # siblings without replacement
-    (TREE22, "onehot", "rejection_onehot"),  # deterministic drafter, draft_probs=None
-    (CHAIN3, "iid", "rejection_onehot"),  # None with sampled drafts: still exact
-    (TREE22, "iid", "target_only"),  # SGLang target-only, thresholds 1.0
-], ids=["chain-iid", "tree-iid", "tree-wor", "tree-onehot", "chain-iid-none", "target-only"])
-def test_emitted_tokens_follow_target(parents, mode, verifier):
-    pvalue, accepted = joint_pvalue(parents, mode, verifier)
+# Noise "seeds" is the engine's keying: make_verify_noise over 100k consecutive seeds and
+# thousands of start positions. "fresh" (no keying) isolates the algorithm, "positions"
+# is one seed over 100k disjoint position windows.
+@pytest.mark.parametrize("parents,mode,verifier,noise", [
+    (CHAIN3, "iid", "rejection", "seeds"),  # Leviathan et al.
+    (TREE22, "iid", "rejection", "seeds"),  # i.i.d. siblings (duplicates possible)
+    (ASYM, "wor", "rejection", "seeds"),  # siblings without replacement
+    (TREE22, "onehot", "rejection_onehot", "seeds"),  # deterministic drafter, draft_probs=None
+    (CHAIN3, "iid", "rejection_onehot", "seeds"),  # None with sampled drafts: still exact
+    (TREE22, "iid", "target_only", "seeds"),  # SGLang target-only, thresholds 1.0
+    (CHAIN3, "iid", "rejection", "fresh"),
+    (TREE22, "iid", "rejection", "positions"),
+], ids=["chain-iid", "tree-iid", "tree-wor", "tree-onehot", "chain-iid-none", "target-only",
+        "chain-iid-fresh-noise", "tree-iid-one-seed"])
+def test_emitted_tokens_follow_target(parents, mode, verifier, noise):
+    pvalue, accepted = joint_pvalue(parents, mode, verifier, noise=noise)
     assert pvalue > ALPHA, pvalue
     assert accepted > 0.15, accepted  # drafts really are accepted, not just bonuses
 
@@ -252,7 +298,18 @@ def test_emitted_tokens_follow_target(parents, mode, verifier):
     (TREE22, "iid", "target_only_0.5"),  # thresholds < 1: documented lossy
 ], ids=["accept-p", "no-renorm", "threshold-0.5"])
 def test_broken_samplers_fail(parents, mode, verifier):
-    pvalue, _ = joint_pvalue(parents, mode, verifier)
+    pvalue, _ = joint_pvalue(parents, mode, verifier, noise="seeds")
+    assert pvalue < ALPHA, pvalue
+
+
+@pytest.mark.parametrize("parents,mode,verifier,noise", [
+    (CHAIN3, "iid", "rejection", "stuck"),  # the position does not advance between steps
+    (TREE22, "onehot", "rejection_onehot", "shared"),  # every run draws the same noise
+], ids=["position-stuck", "noise-shared-across-runs"])
+def test_broken_noise_keying_fails(parents, mode, verifier, noise):
+    """Positive controls for the keyed tests above: the same exact verifier, fed
+    make_verify_noise at (seed, position) pairs that repeat, is caught."""
+    pvalue, _ = joint_pvalue(parents, mode, verifier, noise=noise)
     assert pvalue < ALPHA, pvalue
 
 
