@@ -210,6 +210,45 @@ def test_dispatcher_uses_kernel_in_interpret_mode(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32_TOL)
 
 
+class _KernelCalled(Exception):
+    pass
+
+
+def test_dispatcher_runs_reference_on_tpu(monkeypatch):
+    """The Triton-only kernel's TPU fallback lives in the dispatcher: on TPU the
+    reference runs and the kernel is never called; on GPU the kernel is."""
+    import jaxspec.pallas as kernels
+    import jaxspec.pallas.paged_attention as pa
+
+    def boom(*_, **__):
+        raise _KernelCalled
+
+    rng = np.random.default_rng(5)
+    case = make_case(
+        rng, q_start=[1], n_new=[2], t=2, kvh=1, group=2, hd=16, page_size=4, max_pages=2,
+    )
+    monkeypatch.setattr(pa, "paged_attention_pallas", boom)
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: "tpu")
+    got = paged_attention(**case, scale=0.5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(paged_attention_ref(**case, scale=0.5)),
+                               **F32_TOL)
+    # Positive control: the same call on GPU does reach the (stubbed) kernel.
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: "gpu")
+    with pytest.raises(_KernelCalled):
+        paged_attention(**case, scale=0.5)
+
+
+def test_kernel_refuses_tpu_instead_of_importing_the_reference(monkeypatch):
+    rng = np.random.default_rng(6)
+    case = make_case(
+        rng, q_start=[0], n_new=[1], t=1, kvh=1, group=1, hd=16, page_size=4, max_pages=1,
+    )
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    # __wrapped__: the raise happens at trace time, so bypass jit's trace cache.
+    with pytest.raises(NotImplementedError, match="jaxspec.cache.attention.paged_attention"):
+        paged_attention_pallas.__wrapped__(**case, scale=0.5)
+
+
 def test_rejects_bad_shapes():
     q = jnp.zeros((1, 2, 3, 16))
     pages = jnp.zeros((4, 2, 2, 16))  # 3 query heads over 2 KV heads

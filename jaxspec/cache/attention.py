@@ -126,12 +126,24 @@ def attention_with_block_ref(
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
-def paged_attention(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask=None, *, scale):
-    """Dispatch: compiled Pallas kernel on GPU/TPU, jnp reference on CPU.
+def paged_attention(
+    q: jax.Array,  # [B, T, H, hd]
+    k_pages: jax.Array,  # [P, page_size, kvh, hd]
+    v_pages: jax.Array,  # [P, page_size, kvh, hd]
+    page_table: jax.Array,  # [B, max_pages] int32
+    q_start: jax.Array,  # [B] int32
+    kv_len: jax.Array,  # [B] int32
+    tree_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
+    *,
+    scale: float,
+) -> jax.Array:  # [B, T, H, hd]
+    """Dispatch: compiled Pallas kernel on GPU, jnp reference on CPU and TPU.
 
-    Under a ("data", "model") mesh in context (`sharding.mesh_context`) the kernel
-    runs per shard through shard_map; GSPMD partitions the reference by itself."""
-    if kernels.use_kernel():
+    The kernel is Triton-only (its ref gathers do not lower on Mosaic TPU), so the
+    TPU fallback is decided here rather than inside the kernel wrapper. Under a
+    ("data", "model") mesh in context (`sharding.mesh_context`) the kernel runs
+    per shard through shard_map; GSPMD partitions the reference by itself."""
+    if kernels.use_kernel(platforms=("gpu",)):
         from jaxspec.models.sharding import shard_kernel_attention
         from jaxspec.pallas.paged_attention import paged_attention_pallas
 

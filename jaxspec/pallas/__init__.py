@@ -28,8 +28,16 @@ def kernel_backend() -> str | None:
     return platform if platform in ("gpu", "tpu") else None
 
 
-def use_kernel() -> bool:
-    return kernel_backend() is not None
+def use_kernel(platforms: tuple[str, ...] = ("gpu", "tpu")) -> bool:
+    """Whether a dispatcher should call a kernel that compiles for `platforms`.
+
+    Interpret mode runs any kernel. A kernel that does not lower on some
+    accelerator (the Triton-only ones on TPU) passes the platforms it does
+    lower on, and its dispatcher runs the reference elsewhere: the fallback is
+    the dispatcher's business, so a kernel never imports its reference.
+    """
+    backend = kernel_backend()
+    return backend == "interpret" or backend in platforms
 
 
 def interpret_mode() -> bool:

@@ -41,8 +41,9 @@ Padding rules (Triton needs power-of-two tensor dims, and tl.dot needs >= 16):
   (64, 128, 256) never pay it.
 
 On CPU the kernel runs only with `interpret=True` (tests). On TPU the Triton path
-cannot lower (vector gathers from refs), so `interpret=False` there falls back to
-the jnp reference; a Mosaic-TPU variant with DMA'd pages is future work.
+cannot lower (vector gathers from refs), so `interpret=False` there raises and the
+dispatcher (`jaxspec.cache.attention.paged_attention`) runs the jnp reference
+instead; a Mosaic-TPU variant with DMA'd pages is future work.
 """
 
 from __future__ import annotations
@@ -181,11 +182,12 @@ def paged_attention_pallas(
     if tree_mask is not None and tree_mask.shape != (b, t, t):
         raise ValueError(f"tree_mask must be {(b, t, t)}, got {tree_mask.shape}")
     if not interpret and jax.default_backend() == "tpu":
-        # The Triton path's ref gathers do not lower on Mosaic TPU; see module doc.
-        from jaxspec.cache.attention import paged_attention_ref
-
-        return paged_attention_ref(
-            q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale
+        # The Triton path's ref gathers do not lower on Mosaic TPU (module doc). The
+        # fallback is the dispatcher's (jaxspec.cache.attention.paged_attention), so
+        # this kernel never imports its reference.
+        raise NotImplementedError(
+            "paged_attention_pallas does not run on TPU; call "
+            "jaxspec.cache.attention.paged_attention, which runs the reference there"
         )
     group = h // kvh
 

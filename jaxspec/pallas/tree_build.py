@@ -33,7 +33,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxspec.speculative.tree import TreeInfo, assemble_tree_info, node_valid, num_mask_words
+# The shared leaf module, not jaxspec.speculative.tree: that module dispatches
+# to this kernel, and a kernel never imports its callers.
+from jaxspec.speculative.types import TreeInfo, assemble_tree_info, node_valid, num_mask_words
 
 
 def _padded_nodes(n: int) -> int:

@@ -28,7 +28,9 @@ JAX 0.10 otherwise lowers pallas_call on GPU through Mosaic GPU). Triton
 constraints honoured: every loaded/stored tensor has a power-of-two size, no
 scratch, no multi-indexer refs, no closed-over array constants. On CPU the
 kernels run with interpret=True (tests). On TPU (and CPU without interpret)
-the wrappers fall back to the jnp references: Mosaic TPU rejects the
+the wrappers refuse to run, and the dispatchers in `jaxspec.speculative.verify`
+run the jnp references instead (a kernel never imports its callers, so the
+fallback lives there): Mosaic TPU rejects the
 per-sequence (None, N) blocks (last two block dims must be (8k, 128k) or the
 full array), has no masked loads and no dynamic lane indexing into vector
 memory. A Mosaic variant is future work: the greedy walk lowers there with
@@ -47,12 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.speculative.verify import (
-    VerifyResult,
-    verify_greedy_ref,
-    verify_rejection_ref,
-    verify_target_only_ref,
-)
+from jaxspec.speculative.types import VerifyResult
 
 DEFAULT_VOCAB_TILE = 2048
 
@@ -66,7 +63,18 @@ def _tile_size(vocab: int, vocab_tile: int) -> int:
 
 
 def _use_reference(interpret: bool) -> bool:
+    """True where these kernels cannot run (not interpreting, not on GPU): the
+    caller must use the jnp reference. Tests patch it to lower for CUDA from a
+    CPU host."""
     return not interpret and jax.default_backend() != "gpu"
+
+
+def _check_runnable(interpret: bool, name: str) -> None:
+    if _use_reference(interpret):
+        raise NotImplementedError(
+            f"{name}: the Triton kernel does not run on {jax.default_backend()!r}; call the "
+            f"dispatcher in jaxspec.speculative.verify, which runs the jnp reference there, "
+            f"or pass interpret=True")
 
 
 def _compiler_params(interpret: bool):
@@ -177,9 +185,7 @@ def verify_greedy_pallas(
     interpret: bool = False,
 ) -> VerifyResult:
     """Kernel version of `jaxspec.speculative.verify.verify_greedy_ref`."""
-    if _use_reference(interpret):
-        return verify_greedy_ref(tokens, retrieve_next_token, retrieve_next_sibling,
-                                 target_predict, max_depth=max_depth)
+    _check_runnable(interpret, "verify_greedy_pallas")
     b, n = tokens.shape
     ints = [x.astype(jnp.int32) for x in
             (tokens, retrieve_next_token, retrieve_next_sibling, target_predict)]
@@ -280,10 +286,7 @@ def verify_target_only_pallas(
     vocab_tile: int = DEFAULT_VOCAB_TILE,
 ) -> VerifyResult:
     """Kernel version of `jaxspec.speculative.verify.verify_target_only_ref`."""
-    if _use_reference(interpret):
-        return verify_target_only_ref(
-            tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
-            bonus_noise, threshold_single, threshold_acc, max_depth=max_depth)
+    _check_runnable(interpret, "verify_target_only_pallas")
     b, n = tokens.shape
     vocab = target_probs.shape[-1]
     tile = _tile_size(vocab, vocab_tile)
@@ -408,10 +411,7 @@ def verify_rejection_pallas(
     vocab_tile: int = DEFAULT_VOCAB_TILE,
 ) -> VerifyResult:
     """Kernel version of `jaxspec.speculative.verify.verify_rejection_ref`."""
-    if _use_reference(interpret):
-        return verify_rejection_ref(tokens, retrieve_next_token, retrieve_next_sibling,
-                                    target_probs, draft_probs, uniforms, bonus_noise,
-                                    max_depth=max_depth)
+    _check_runnable(interpret, "verify_rejection_pallas")
     b, n = tokens.shape
     vocab = target_probs.shape[-1]
     tile = _tile_size(vocab, vocab_tile)

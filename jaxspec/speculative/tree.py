@@ -26,65 +26,25 @@ that turns a tree drafter's per-step top-k expansions into that convention.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.pallas import interpret_mode, use_kernel
 
-# --------------------------------------------------------------------------
-# Output container
-# --------------------------------------------------------------------------
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "depth", "positions", "mask", "packed_mask", "retrieve_index",
-        "retrieve_next_token", "retrieve_next_sibling", "valid", "prefix_lens",
-        "full_mask",
-    ],
-    meta_fields=[],
+# The containers and their constructors live in a leaf module that the Pallas
+# kernel imports too; re-exported here, where the convention is documented.
+from jaxspec.speculative.types import (  # noqa: F401
+    TreeInfo,
+    assemble_tree_info,
+    full_tree_mask,
+    node_valid,
+    num_mask_words,
 )
-@dataclasses.dataclass(frozen=True)
-class TreeInfo:
-    """Everything verification needs about one batch of draft trees.
-
-    W = ceil(N / 32). Index tables are int32; -1 means "none".
-    """
-
-    depth: jax.Array  # [B, N] int32; root 0, padding nodes 1 (child of root)
-    positions: jax.Array  # [B, N] int32; prefix_lens + depth (siblings share)
-    mask: jax.Array  # [B, N, N] bool; [b,i,j]: j is ancestor-or-self of i
-    packed_mask: jax.Array  # [B, N, W] uint32; bit j%32 of word j//32 = mask
-    retrieve_index: jax.Array  # [B, N] int32; b*N + i (flat verify row)
-    retrieve_next_token: jax.Array  # [B, N] int32; first non-padding child
-    retrieve_next_sibling: jax.Array  # [B, N] int32; next non-padding sibling
-    valid: jax.Array  # [B, N] bool; False for padding nodes
-    prefix_lens: jax.Array  # [B] int32
-    full_mask: jax.Array | None = None  # [B, N, max_kv] bool if max_kv given
-
-    def full_layout_mask(self, max_kv: int) -> jax.Array:
-        """[B, N, max_kv] bool; see `full_tree_mask`."""
-        return full_tree_mask(self.mask, self.prefix_lens, max_kv)
-
 
 # --------------------------------------------------------------------------
 # Shared helpers (used by the reference, the chain path and the kernel wrapper)
 # --------------------------------------------------------------------------
-
-
-def num_mask_words(n: int) -> int:
-    return -(-n // 32)
-
-
-def node_valid(tokens: jax.Array) -> jax.Array:
-    """tokens [B, N] int32 -> [B, N] bool; the root always counts as real."""
-    idx = jnp.arange(tokens.shape[-1], dtype=jnp.int32)
-    return (tokens >= 0) | (idx == 0)
 
 
 def pack_tree_mask(mask: jax.Array) -> jax.Array:
@@ -103,51 +63,6 @@ def unpack_tree_mask(packed: jax.Array, n: int) -> jax.Array:
     shifts = jnp.arange(32, dtype=jnp.uint32)
     bits = (packed[..., None] >> shifts) & jnp.uint32(1)
     return bits.reshape(*packed.shape[:-1], -1)[..., :n].astype(bool)
-
-
-def full_tree_mask(mask: jax.Array, prefix_lens: jax.Array, max_kv: int) -> jax.Array:
-    """Expand the qlen-only mask to the full KV layout.
-
-    mask [B, N, N] bool, prefix_lens [B] int32 -> [B, N, max_kv] bool where key
-    slot s is visible to node i iff s < prefix_lens[b], or s = prefix_lens[b] + j
-    with mask[b, i, j]. Slots past prefix_lens + N are never visible.
-    """
-    b, n, _ = mask.shape
-    slot = jnp.arange(max_kv, dtype=jnp.int32)
-    j = slot[None, :] - prefix_lens[:, None].astype(jnp.int32)  # [B, max_kv]
-    in_tree = (j >= 0) & (j < n)
-    jj = jnp.broadcast_to(jnp.clip(j, 0, n - 1)[:, None, :], (b, n, max_kv))
-    tree_part = jnp.take_along_axis(mask, jj, axis=2) & in_tree[:, None, :]
-    return (slot[None, None, :] < prefix_lens[:, None, None]) | tree_part
-
-
-def assemble_tree_info(
-    depth: jax.Array,  # [B, N] int32
-    mask: jax.Array,  # [B, N, N] bool
-    packed: jax.Array,  # [B, N, W] uint32
-    next_token: jax.Array,  # [B, N] int32
-    next_sibling: jax.Array,  # [B, N] int32
-    valid: jax.Array,  # [B, N] bool
-    prefix_lens: jax.Array,  # [B] int32
-    max_kv: int | None,
-) -> TreeInfo:
-    """Add the derived fields (positions, retrieve_index, full mask)."""
-    b, n = depth.shape
-    prefix_lens = prefix_lens.astype(jnp.int32)
-    retrieve_index = (jnp.arange(b, dtype=jnp.int32)[:, None] * n
-                      + jnp.arange(n, dtype=jnp.int32)[None, :])
-    return TreeInfo(
-        depth=depth,
-        positions=prefix_lens[:, None] + depth,
-        mask=mask,
-        packed_mask=packed,
-        retrieve_index=retrieve_index,
-        retrieve_next_token=next_token,
-        retrieve_next_sibling=next_sibling,
-        valid=valid,
-        prefix_lens=prefix_lens,
-        full_mask=None if max_kv is None else full_tree_mask(mask, prefix_lens, max_kv),
-    )
 
 
 # --------------------------------------------------------------------------
@@ -248,7 +163,7 @@ def build_tree(
     if parents is None:
         raise ValueError("build_tree: parents is required unless chain=True")
     if use_kernel():
-        # Imported lazily: the kernel module imports TreeInfo from here.
+        # Lazy: Pallas is only needed where the kernel runs.
         from jaxspec.pallas.tree_build import build_tree_pallas
 
         return build_tree_pallas(tokens, parents, prefix_lens, max_kv=max_kv,

@@ -73,7 +73,6 @@ are jittable; the kernels and references they call are jitted.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +81,10 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.pallas import interpret_mode, use_kernel
 from jaxspec.speculative.sampling import make_verify_noise, race_sample
+
+# VerifyResult lives in a leaf module the Pallas kernels import too (a kernel
+# never imports its dispatcher); re-exported here, where its convention is.
+from jaxspec.speculative.types import VerifyResult
 
 __all__ = [
     "VerifyResult",
@@ -94,14 +97,6 @@ __all__ = [
     "verify_target_only",
     "verify_target_only_ref",
 ]
-
-
-class VerifyResult(NamedTuple):
-    """See the module docstring for the convention."""
-
-    accept_index: Int[Array, "B D1"]  # [B, max_depth + 1] int32, -1 padded
-    num_accepted: Int[Array, "B"]  # [B] int32, accepted drafts only
-    bonus_token: Int[Array, "B"]  # [B] int32
 
 
 def emitted_tokens(
@@ -309,6 +304,10 @@ def verify_rejection_ref(
 # Public, dispatching (kernel vs reference per jaxspec.pallas)
 # --------------------------------------------------------------------------
 
+# The verify kernels are Triton-only (jaxspec.pallas.verify explains why Mosaic
+# TPU rejects them), so on TPU the references run.
+_KERNEL_PLATFORMS = ("gpu",)
+
 
 def verify_greedy(
     tokens: Int[Array, "B N"],
@@ -322,7 +321,7 @@ def verify_greedy(
     node. Among the children of the current node the one whose token equals
     target_predict[current] is accepted; the walk stops when none matches (or
     at max_depth); bonus = target_predict[last accepted node]."""
-    if use_kernel():
+    if use_kernel(_KERNEL_PLATFORMS):
         from jaxspec.pallas.verify import verify_greedy_pallas
 
         return verify_greedy_pallas(tokens, retrieve_next_token, retrieve_next_sibling,
@@ -346,7 +345,7 @@ def verify_target_only(
 ) -> VerifyResult:
     """SGLang's target-only tree sampling (module docstring). Lossless only at
     threshold_single = threshold_acc = 1.0 (the default)."""
-    if use_kernel():
+    if use_kernel(_KERNEL_PLATFORMS):
         from jaxspec.pallas.verify import verify_target_only_pallas
 
         return verify_target_only_pallas(
@@ -372,7 +371,7 @@ def verify_rejection(
     """Lossless rejection-sampling tree verification (module docstring).
     draft_probs [B, N, V] is indexed by CHILD node; None means one-hot drafts
     (deterministic drafters) without materialising them."""
-    if use_kernel():
+    if use_kernel(_KERNEL_PLATFORMS):
         from jaxspec.pallas.verify import verify_rejection_pallas
 
         return verify_rejection_pallas(
