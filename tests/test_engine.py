@@ -47,16 +47,61 @@ def test_batched_equals_batch_one(tiny_dirs):
     assert batched == single
 
 
-def test_seeded_sampling_is_batch_independent_and_seed_dependent(tiny_dirs):
+def test_seeded_sampling_is_batch_independent_and_reproducible(tiny_dirs):
     path, _ = tiny_dirs["qwen2"]
     engine = make_engine(path)
     req = Request(PROMPTS[0], max_new_tokens=20, temperature=1.5, seed=1234)
     alone = engine.generate([req])[0].output_ids
+    assert engine.generate([req])[0].output_ids == alone, "the same seed must reproduce exactly"
     with_others = engine.generate([Request(PROMPTS[1], max_new_tokens=5, temperature=1.0, seed=9), req])[1].output_ids
     assert alone == with_others
-    others = {tuple(engine.generate([Request(PROMPTS[0], max_new_tokens=20, temperature=1.5, seed=s)])[0].output_ids)
-              for s in range(4)}
-    assert len(others) > 1, "different seeds should give different samples at temperature 1.5"
+
+
+def _chi_square_pvalue(counts, probs):
+    """Pearson chi-square of counts against probs, cells with expected count < 5 pooled."""
+    from scipy import stats
+
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    assert counts[probs == 0].sum() == 0, "a zero-probability token was sampled"
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def test_sampled_tokens_follow_the_hf_model_distribution(tiny_dirs):
+    """4096 requests with seeds 0..4095: the first token (prefill) and the second
+    (a decode step) follow softmax(HF logits / T), computed in torch/numpy. The
+    same samples reject the distribution at another temperature, so the test has
+    the power to see a sampler that ignores or misapplies the temperature."""
+    import torch
+
+    path, hf = tiny_dirs["qwen2"]
+    engine = make_engine(path, max_batch_size=64)
+    prompt, temp, n, batch = PROMPTS[0], 0.7, 4096, 64
+    out = []
+    for start in range(0, n, batch):
+        res = engine.generate([Request(prompt, max_new_tokens=2, temperature=temp, seed=s)
+                               for s in range(start, start + batch)])
+        out += [r.output_ids for r in res]
+    out = np.asarray(out)
+    assert out.shape == (n, 2) and ((out >= 0) & (out < 256)).all()
+    with torch.no_grad():
+        first = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
+        # Every possible first token, so the second token's marginal is exact.
+        second = hf(torch.tensor([prompt + [v] for v in range(256)])).logits[:, -1].double().numpy()
+
+    def softmax(x, t):
+        z = np.exp((x - x.max(-1, keepdims=True)) / t)
+        return z / z.sum(-1, keepdims=True)
+
+    alpha = 1e-3
+    c1, c2 = (np.bincount(out[:, i], minlength=256) for i in range(2))
+    assert _chi_square_pvalue(c1, softmax(first, temp)) > alpha
+    assert _chi_square_pvalue(c2, softmax(first, temp) @ softmax(second, temp)) > alpha
+    for wrong in (1.0, 0.6):  # positive controls on the same samples
+        assert _chi_square_pvalue(c1, softmax(first, wrong)) < alpha, wrong
+        assert _chi_square_pvalue(c2, softmax(first, wrong) @ softmax(second, wrong)) < alpha, wrong
 
 
 def test_stop_token_ends_sequence_and_is_last(tiny_dirs):
