@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.speculative.types import VerifyResult
+from jaxspec.speculative.types import VerifyResult, in_vocab
 
 DEFAULT_VOCAB_TILE = 2048
 
@@ -164,6 +164,7 @@ def _greedy_kernel(tok_ref, nt_ref, ns_ref, pred_ref, out_ref, *, max_depth: int
 
     def body(s):
         n, cur, j = s
+        # pred is an argmax in [0, V): padding and out-of-vocabulary drafts never match.
         accept = tok_ref[j] == pred_ref[cur]
         _record(out_ref, accept, n, j)
         return (n + accept.astype(jnp.int32), jnp.where(accept, j, cur),
@@ -235,11 +236,13 @@ def _target_only_kernel(tok_ref, nt_ref, ns_ref, u_ref, th_ref, p_ref, e_ref, ou
     def body(s):
         n, cur, j, prob_acc = s
         t = tok_ref[j]
-        tc = jnp.maximum(t, 0)
-        counted = (t >= 0) & ~seen_before(nt_ref[cur], j, t)
+        # Out-of-vocabulary ids are skipped like padding; tc keeps the load in bounds.
+        real = in_vocab(t, vocab)
+        tc = jnp.where(real, t, 0)
+        counted = real & ~seen_before(nt_ref[cur], j, t)
         p_single = jnp.where(counted, p_ref[cur, tc].astype(jnp.float32), 0.0)
         prob_acc = prob_acc + p_single
-        accept = (t >= 0) & ((u_ref[cur] < prob_acc / th_acc) | (p_single >= th_single))
+        accept = real & ((u_ref[cur] < prob_acc / th_acc) | (p_single >= th_single))
         _record(out_ref, accept, n, j)
         return (n + accept.astype(jnp.int32), jnp.where(accept, j, cur),
                 jnp.where(accept, nt_ref[j], ns_ref[j]), jnp.where(accept, 0.0, prob_acc))
@@ -356,8 +359,9 @@ def _rejection_kernel(tok_ref, nt_ref, ns_ref, u_ref, p_ref, *refs, max_depth: i
     def body(s):
         n, cur, j, k, z = s
         t = tok_ref[j]
-        valid = t >= 0
-        tc = jnp.maximum(t, 0)
+        # Out-of-vocabulary ids are skipped like padding; tc keeps the loads in bounds.
+        valid = in_vocab(t, vocab)
+        tc = jnp.where(valid, t, 0)
         q_t = jnp.float32(1.0) if one_hot else q_ref[j, tc].astype(jnp.float32)
         p_t = jnp.where(k > 0, ws_ref[tc] / z, p_ref[cur, tc].astype(jnp.float32))
         accept = valid & (u_ref[j] * q_t < p_t)

@@ -84,7 +84,7 @@ from jaxspec.speculative.sampling import make_verify_noise, race_sample
 
 # VerifyResult lives in a leaf module the Pallas kernels import too (a kernel
 # never imports its dispatcher); re-exported here, where its convention is.
-from jaxspec.speculative.types import VerifyResult
+from jaxspec.speculative.types import VerifyResult, in_vocab
 
 __all__ = [
     "VerifyResult",
@@ -144,7 +144,8 @@ def _greedy_one(tokens, next_token, next_sibling, target_predict, max_depth):
 
     def body(s):
         acc, n, cur, j = s
-        # target_predict >= 0, so a padding token (< 0) can never match.
+        # target_predict is an argmax, in [0, V), so neither padding (< 0) nor an
+        # out-of-vocabulary draft (>= V) can ever match: no range test needed.
         accept = tokens[j] == target_predict[cur]
         acc = _record(acc, accept, n, j)
         return (acc, n + accept, jnp.where(accept, j, cur),
@@ -175,6 +176,8 @@ def verify_greedy_ref(
 def _target_only_one(tokens, next_token, next_sibling, target_probs, uniforms,
                      bonus_noise, threshold_single, threshold_acc, max_depth):
     # tokens/next_*: [N]; target_probs: [N, V]; uniforms: [N]; bonus_noise: [V].
+    vocab = target_probs.shape[-1]
+
     def cond(s):
         _, n, _, j, _, _ = s
         return (j >= 0) & (n < max_depth)
@@ -182,8 +185,10 @@ def _target_only_one(tokens, next_token, next_sibling, target_probs, uniforms,
     def body(s):
         acc, n, cur, j, prob_acc, res = s
         t = tokens[j]
-        valid = t >= 0
-        tc = jnp.maximum(t, 0)
+        # Out-of-vocabulary ids are skipped like padding: a clamped gather would
+        # read a real probability for them (see types.in_vocab).
+        valid = in_vocab(t, vocab)
+        tc = jnp.where(valid, t, 0)
         # res is target_probs[cur] with already-rejected tokens zeroed, so a
         # repeated sibling token adds nothing to the cumulative mass.
         p_single = jnp.where(valid, res[tc], 0.0)
@@ -246,8 +251,10 @@ def _rejection_one(tokens, next_token, next_sibling, target_probs, draft_probs,
     def body(s):
         acc, n, cur, j, res = s
         t = tokens[j]
-        valid = t >= 0
-        tc = jnp.maximum(t, 0)
+        # Out-of-vocabulary ids are skipped like padding: a clamped gather would
+        # read a real probability for them (see types.in_vocab).
+        valid = in_vocab(t, vocab)
+        tc = jnp.where(valid, t, 0)
         if draft_probs is None:
             q_row = jnp.where(iota == tc, 1.0, 0.0)
         else:
