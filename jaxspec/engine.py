@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache.paged import KVCache, PageAllocator
+from jaxspec.cache.paged import KVCache, PageAllocator, check_cache_fits
 from jaxspec.config import EngineSection
 from jaxspec.models import sharding as shd
 from jaxspec.models.config import ModelConfig
@@ -222,6 +222,7 @@ class Engine:
         pages_per_seq = -(-ctx_bucket // self.page_size)
         num_pages = engine_cfg.num_pages or engine_cfg.max_batch_size * pages_per_seq + 1
         dtype = params["embed"].dtype
+        check_cache_fits((cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim), dtype, mesh)
         self.cache = shd.zeros_cache(
             (cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim), dtype, mesh
         )
@@ -267,6 +268,8 @@ class Engine:
             drafter = StandaloneDrafter(
                 dcfg, plan.num_steps, plan.topk, plan.num_draft_tokens, sample_drafts=plan.verify == "rejection"
             )
+            check_cache_fits((dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
+                             self.draft_params["embed"].dtype, self.mesh, "draft KV cache")
             self.draft_cache = shd.zeros_cache(
                 (dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
                 self.draft_params["embed"].dtype, self.mesh,

@@ -15,6 +15,7 @@ in-place update inside the donated buffer.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,10 @@ NULL_PAGE = 0
 
 class OutOfPagesError(RuntimeError):
     """Raised by the allocator when a request needs more pages than are free."""
+
+
+class CacheMemoryError(ValueError):
+    """The KV cache the settings ask for cannot fit in the memory left for it."""
 
 
 @jax.tree_util.register_dataclass
@@ -158,3 +163,54 @@ class PageAllocator:
 
     def usage(self) -> dict[str, int]:
         return {"total": self.total, "used": self.num_used, "free": self.num_free}
+
+
+# ---- sizing against memory ---------------------------------------------------------
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_memory_available(device) -> int | None:
+    """Bytes still free for new arrays on `device`, or None where nothing says."""
+    stats = device.memory_stats() or {}  # None on CPU
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return host_memory_available() if device.platform == "cpu" else None
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def check_cache_fits(shape: tuple[int, ...], dtype, mesh=None, what: str = "KV cache") -> None:
+    """Refuse (CacheMemoryError) a K/V cache of `shape` that cannot fit, before allocating it.
+
+    A cache too big for the host is otherwise OOM-killed with no message. With a
+    mesh, each device holds 1/model of the heads; CPU devices share host memory."""
+    num_pages, page_size = shape[1:3]
+    total = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
+    devices = list(mesh.local_devices) if mesh is not None else [jax.devices()[0]]
+    per_device = total // (mesh.shape["model"] if mesh is not None else 1)
+    on_host = [d for d in devices if d.platform == "cpu"]
+    pools = [(per_device * len(on_host), on_host[0], "host memory (MemAvailable)")] if on_host else []
+    pools += [(per_device, d, f"free on {d}") for d in devices if d.platform != "cpu"]
+    for need, device, where in pools:
+        free = device_memory_available(device)
+        if free is not None and need > free:
+            per_token = total // (num_pages * page_size)
+            raise CacheMemoryError(
+                f"{what} needs {_size(need)} but only {_size(free)} is {where}: {num_pages} pages x "
+                f"{page_size} tokens (engine.num_pages x engine.page_size) x {per_token} bytes per token; "
+                "lower engine.page_size, or engine.num_pages (when 0 it is max_batch_size x the pages of one "
+                "max_context sequence + 1)"
+            )
