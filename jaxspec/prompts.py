@@ -11,10 +11,14 @@ class PromptError(ValueError):
     """A malformed prompt or prompt file; the message names the line."""
 
 
-VALID_ROLES = ("system", "user", "assistant", "tool")
+# One role set for the CLI, benchmarks and server. "developer" is OpenAI's newer
+# name for "system"; chat templates only know the latter, so it is renamed.
+VALID_ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLE_ALIASES = {"developer": "system"}
 
 
 def check_messages(messages: Any, where: str) -> list[dict]:
+    """The messages with aliased roles renamed, or PromptError naming the bad one."""
     if not isinstance(messages, list) or not messages:
         raise PromptError(f"{where}: 'messages' must be a non-empty list")
     for i, m in enumerate(messages):
@@ -22,7 +26,7 @@ def check_messages(messages: Any, where: str) -> list[dict]:
             raise PromptError(f"{where}: messages[{i}] must be an object with a string 'content'")
         if m.get("role") not in VALID_ROLES:
             raise PromptError(f"{where}: messages[{i}] has unknown role {m.get('role')!r}; valid: {VALID_ROLES}")
-    return messages
+    return [{**m, "role": ROLE_ALIASES.get(m["role"], m["role"])} for m in messages]
 
 
 def encode_entry(entry: dict, tokenizer, where: str) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 
 import httpx
 import openai
@@ -36,7 +37,7 @@ def malformed_corpus(model_name: str, vocab: int) -> list[tuple[str, str, bytes 
         "top_p": [0, -1, 1.5, "0.9", False],
         "top_k": [-2, 1.5, "5", True],
         "n": [0, -1, 17, 1.5, "2", True],
-        "seed": [1.5, "7", [1], 2**64],
+        "seed": [1.5, "7", [1], 2**64, 2**32, -1],  # the sampler's seed is a uint32
         "stop": [1, [1, 2], [""], ["a"] * 17, {"a": 1}],
         "stream": ["yes", 1, [True]],
         "logprobs": [True, 3],
@@ -79,6 +80,10 @@ def malformed_corpus(model_name: str, vocab: int) -> list[tuple[str, str, bytes 
     add("unknown_path2", OK_COMPLETION, "/v2/completions")
     add("lone_surrogate", b'{"prompt": "\\ud800 x", "max_tokens": 4}')
     add("lone_surrogate_chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "/v1/chat/completions")
+    # 6. Nesting: past Python's parser (RecursionError), and past our bound but parseable.
+    add("nested_5000", b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    add("nested_5000_chat", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "/v1/chat/completions")
+    add("nested_150", b'{"prompt": "x", "user": ' + b'{"a": ' * 150 + b"1" + b"}" * 150 + b"}")
     return cases
 
 
@@ -122,6 +127,10 @@ def test_errors_name_the_field(served):
     assert r.status_code == 413
     r = send(url, "/v1/completions", b"\xff\xfe", {})
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    r = send(url, "/v1/completions", {**OK_COMPLETION, "seed": 2**32 + 7}, {})  # would alias seed 7
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = send(url, "/v1/completions", b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", {})
+    assert r.status_code == 400 and "deeper than 100 levels" in r.json()["error"]["message"]
     # Unknown fields are ignored, as OpenAI does.
     r = send(url, "/v1/completions", {**OK_COMPLETION, "user": "me", "frobnicate": [1, {"x": None}]}, {})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -177,6 +186,8 @@ def test_health_and_requests_wait_for_compilation(chat_model_dir):
         r = send(thread.url, "/v1/completions", OK_COMPLETION, {})
         assert r.status_code == 503 and "compiling" in r.json()["error"]["message"]
         assert server.runner.engine.allocator.num_used == 0
+        # The page gauges hold the pool's state from start-up, not 0 until a first request.
+        assert metric(thread.url, "jaxspec_kv_pages_free") == server.runner.engine.allocator.total > 0
         models = httpx.get(thread.url + "/v1/models").json()
         assert models["data"][0]["id"] == server.model_name
     finally:
@@ -197,3 +208,64 @@ def test_kv_memory_fraction_sizes_the_page_pool(chat_model_dir):
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # CPU: host memory
     assert 2 < pages and pages * per_page <= 0.0101 * free * 1.1  # free memory moves a little meanwhile
 
+
+
+def test_default_max_tokens_fits_the_tightest_prompt(served):
+    """No max_tokens sent: each prompt of a batch gets the default capped by the room the
+    longest one leaves, and a prompt that leaves none is blamed, not max_tokens."""
+    server, url = served
+    cap = server.scheduler.max_sequence_tokens
+    r = send(url, "/v1/completions", {"prompt": [[7] * 10, [7] * (cap - 5)], "temperature": 0}, {})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2 * 5
+    r = send(url, "/v1/completions", {"prompt": [[7] * 10, [7] * cap]}, {})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and "prompt 1 has" in err["message"]
+    assert "max_tokens" not in err["message"]
+    assert wait_for_idle(server)
+
+
+def raw_http(url: str, data: bytes, timeout: float = 20.0) -> bytes:
+    """Send raw bytes, read until the server closes the connection (bounded by `timeout`)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.fixture(scope="module")
+def impatient(served):
+    """A second front end on the same engine that waits 0.5 s for a request body."""
+    from jaxspec.serve.app import create_app
+    from jaxspec.serve.launch import ServerThread
+
+    server, _ = served
+    thread = ServerThread(create_app(server, body_timeout_s=0.5)).start()
+    yield server, thread.url
+    thread.stop()
+
+
+def test_body_shorter_than_its_content_length_gets_408_and_a_closed_connection(impatient):
+    server, url = impatient
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    reply = raw_http(url, head + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "x"')  # 14 of 100 bytes
+    status, _, body = reply.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in status.lower()
+    assert "14 bytes received of a Content-Length of 100" in json.loads(body)["error"]["message"]
+    r = send(url, "/v1/completions", OK_COMPLETION, {})
+    assert r.status_code == 200 and wait_for_idle(server)
+
+
+@pytest.mark.parametrize("framing", [b"Content-Length: abc\r\n\r\n{}", b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+                                     b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"])
+def test_malformed_framing_gets_400_and_the_server_keeps_serving(served, framing):
+    """uvicorn's HTTP parser (h11) refuses these before the app sees a request, so the
+    400 body is uvicorn's plain text, not an OpenAI error; what matters: no hang, no 500."""
+    server, url = served
+    reply = raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + framing)
+    assert reply.startswith(b"HTTP/1.1 400")
+    r = send(url, "/v1/completions", OK_COMPLETION, {})
+    assert r.status_code == 200 and wait_for_idle(server)

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxspec.serve import protocol
 from jaxspec.serve.protocol import APIError
@@ -24,15 +25,21 @@ from jaxspec.serve.server import Server
 
 log = logging.getLogger("jaxspec.serve")
 _DISCONNECT_POLL_S = 0.5
+# uvicorn waits for a body without limit: a client that sends less than its
+# Content-Length would hold the request (and its connection) forever.
+BODY_READ_TIMEOUT_S = 30.0
 
 
 def _error(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.status == 408:  # the rest of that body may still arrive: it must not be read as a next request
+        headers["Connection"] = "close"
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) anything over `limit` bytes before reading it all."""
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refusing (413) anything over `limit` bytes before reading it all,
+    and (408) a body not complete within `timeout_s` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -40,12 +47,32 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+                chunks.append(part)
+    except TimeoutError:
+        raise APIError(408, f"request body incomplete after {timeout_s:g} s ({size} bytes received"
+                            + (f" of a Content-Length of {declared})" if declared else ")")) from None
+    except ClientDisconnect:  # nobody will read the answer; no 500 in the log for it
+        raise APIError(400, f"client disconnected after {size} bytes of the request body") from None
     return b"".join(chunks)
+
+
+def _fit_default_max_tokens(parsed: protocol.ParsedRequest, cap: int, default: int,
+                            param: str) -> protocol.ParsedRequest:
+    """No max_tokens sent: the default, cut to what the tightest prompt leaves of a
+    sequence's `cap` tokens. A prompt leaving nothing is blamed, not max_tokens."""
+    for i, ids in enumerate(parsed.prompts):
+        if len(ids) >= cap:
+            who = "the prompt" if len(parsed.prompts) == 1 else f"prompt {i}"
+            raise APIError(400, f"{param}: {who} has {len(ids)} tokens; a sequence holds at most {cap} tokens "
+                                "here (context and KV cache), leaving none to generate", param)
+    room = cap - max(len(ids) for ids in parsed.prompts)
+    return dataclasses.replace(parsed, params=dataclasses.replace(parsed.params, max_tokens=min(default, room)))
 
 
 class _Stream:
@@ -65,7 +92,7 @@ class _Stream:
         return on_event
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -> FastAPI:
     app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None, openapi_url=None)
     cfg = server.cfg.serve
 
@@ -119,26 +146,24 @@ def create_app(server: Server) -> FastAPI:
 
     async def handle(request: Request, kind: str):
         check_auth(request)
-        body = protocol.parse_json_body(await _read_body(request, cfg.max_body_bytes))
+        body = protocol.parse_json_body(await _read_body(request, cfg.max_body_bytes, body_timeout_s))
         model = body.get("model")
         if model is not None and model != server.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {server.model_name!r}",
                            "model", type_="not_found_error")
         check_ready()
         default_max = 16 if kind == "completion" else server.cfg.sampling.max_new_tokens
+        param_name = "prompt" if kind == "completion" else "messages"
         with server.scheduler.tokenizer_lock:  # shared with the scheduler thread's detokenizing
             if kind == "completion":
                 parsed = protocol.parse_completion(body, server.tokenizer, server.vocab_size, default_max)
             else:
                 parsed = protocol.parse_chat(body, server.tokenizer, default_max)
-            room = server.max_context - len(parsed.prompts[0])
-            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None and room >= 1:
-                parsed = protocol.ParsedRequest(parsed.kind, parsed.prompts, dataclasses.replace(
-                    parsed.params, max_tokens=min(default_max, room)))
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            parsed = _fit_default_max_tokens(parsed, server.scheduler.max_sequence_tokens, default_max, param_name)
         p = parsed.params
         stream = _Stream(asyncio.get_running_loop())
         base_seed = p.seed if p.seed is not None else server.random_seed()
-        param_name = "prompt" if kind == "completion" else "messages"
         seqs = []
         try:
             for i, ids in enumerate(parsed.prompts):

@@ -13,7 +13,9 @@ class IncrementalDetokenizer:
     The delta is the decode of a short window (from `prefix` to the end) minus
     the decode of its already-emitted part (`prefix` to `read`). While the tail
     decodes to U+FFFD (a UTF-8 sequence cut between tokens) nothing is emitted;
-    the next token completes it. Special tokens are skipped.
+    the next token completes it. When the sequence ends there first (`final`,
+    e.g. cut by max_tokens) the unfinished character is dropped, not sent as
+    U+FFFD. Special tokens are skipped.
     """
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int]):
@@ -29,7 +31,9 @@ class IncrementalDetokenizer:
         self.ids.extend(int(t) for t in new_ids)
         before = self._decode(self.ids[self.prefix: self.read])
         full = self._decode(self.ids[self.prefix:])
-        if len(full) <= len(before) or (full.endswith("\ufffd") and not final):
+        if final:  # no token will complete it (a U+FFFD the model really wrote at the very end goes too)
+            full = full.rstrip("\ufffd")
+        if len(full) <= len(before) or full.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return full[len(before):]

@@ -17,6 +17,9 @@ from jaxspec.prompts import PromptError, check_messages
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+# Deeper than any OpenAI request nests; a fixed bound, so a 10 KB body of brackets is a
+# 400 however deep the server's own stack is when it parses.
+MAX_JSON_DEPTH = 100
 
 
 class APIError(Exception):
@@ -77,17 +80,34 @@ def parse_json_body(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8") from None
+    too_deep = APIError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON ({e.msg} at position {e.pos})") from None
+    except RecursionError:  # the parser's own limit, below ours only when the stack is already deep
+        raise too_deep from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
     try:  # "\ud800" is valid JSON but no text: the tokenizer would fail on it
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "request body contains a lone surrogate escape (\\ud800-\\udfff); not valid text") from None
     return body
+
+
+def json_depth(obj) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (o.values() if isinstance(o, dict) else o)
+                         if isinstance(c, (dict, list)))
+    return deepest
 
 
 def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
@@ -100,7 +120,8 @@ def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
     temperature = float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
     top_p = float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
     top_k = _get(body, "top_k", 0, lambda v: _is_int(v) and -1 <= v < 2**31, "an integer in [-1, 2^31) (-1 or 0 = off)")
-    seed = _get(body, "seed", None, lambda v: _is_int(v) and -(2**63) <= v < 2**64, "a 64-bit integer")
+    # The sampler keys its noise by a uint32 seed: a wider one would alias a smaller one.
+    seed = _get(body, "seed", None, lambda v: _is_int(v) and 0 <= v < 2**32, "an integer in [0, 2^32)")
     n = _get(body, "n", 1, lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
     stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "a boolean")
     ignore_eos = _get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "a boolean")
@@ -174,7 +195,7 @@ def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int)
 
 
 def _flatten_content(messages: Any) -> Any:
-    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string; "developer" -> "system"."""
+    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string (roles: `check_messages`)."""
     if not isinstance(messages, list):
         return messages
     out = []
@@ -187,8 +208,7 @@ def _flatten_content(messages: Any) -> Any:
                        for p in content):
                 raise bad(f"messages[{i}].content", "only text content parts are supported")
             content = "".join(p["text"] for p in content)
-        role = "system" if m.get("role") == "developer" else m.get("role")
-        out.append({**m, "role": role, "content": content})
+        out.append({**m, "content": content})
     return out
 
 
@@ -197,7 +217,7 @@ def parse_chat(body: dict, tokenizer, default_max_tokens: int) -> ParsedRequest:
         raise bad("messages", "is required")
     messages = _flatten_content(body["messages"])
     try:
-        check_messages(messages, "messages")
+        messages = check_messages(messages, "messages")
     except PromptError as e:
         raise bad("messages", str(e).removeprefix("messages: ")) from None
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

@@ -117,8 +117,16 @@ class Scheduler:
         self.tokenizer_lock = threading.Lock()
         self.num_decode_calls = 0
         self.last_error: str | None = None
+        if metrics is not None:  # the page gauges read the pool from start-up, not from the first request
+            metrics.update_state(self)
 
     # ---- thread-safe API -----------------------------------------------------------
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Prompt + new tokens one sequence can hold: the context or the whole cache, less the draft scratch."""
+        slots = min(self.engine.max_context, self.allocator.total * self.allocator.page_size)
+        return slots - self.runner.reserve
 
     def check(self, prompt_len: int, params: SeqParams) -> str | None:
         """Why this request can never run (None if it can): the context or the whole cache."""
