@@ -14,6 +14,7 @@ applies dotted overrides; unknown sections or keys and ill-typed values raise
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from pathlib import Path
@@ -119,15 +120,20 @@ class Config:
             (e.page_size >= 1, "engine.page_size must be >= 1"),
             (e.layer_loop in ("auto", "scan", "unrolled"), "engine.layer_loop must be auto, scan or unrolled"),
             (e.cpu_kernels in ("auto", "native", "xla"), "engine.cpu_kernels must be auto, native or xla"),
-            (e.num_pages >= 0, "engine.num_pages must be >= 0 (0 = automatic)"),
+            # Page 0 is the null page: one page leaves nothing to allocate.
+            (e.num_pages == 0 or e.num_pages >= 2, "engine.num_pages must be 0 (automatic) or >= 2"),
             (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),
             (e.max_context >= 2, "engine.max_context must be >= 2"),
-            (all(b >= 1 for b in e.batch_buckets), "engine.batch_buckets must be positive"),
-            (all(b >= 1 for b in e.length_buckets), "engine.length_buckets must be positive"),
+            (e.batch_buckets and all(b >= 1 for b in e.batch_buckets),
+             "engine.batch_buckets must be a non-empty list of sizes >= 1"),
+            (e.length_buckets and all(b >= 1 for b in e.length_buckets),
+             "engine.length_buckets must be a non-empty list of lengths >= 1"),
             (s.max_new_tokens >= 1, "sampling.max_new_tokens must be >= 1"),
             (s.temperature >= 0, "sampling.temperature must be >= 0"),
             (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
-            (s.top_k >= 0, "sampling.top_k must be >= 0"),
+            # Bounds of the device arrays: top_k is int32, the noise is keyed by a uint32 seed.
+            (0 <= s.top_k < 2**31, "sampling.top_k must be in [0, 2^31)"),
+            (0 <= s.seed < 2**32, "sampling.seed must be in [0, 2^32)"),
             (0 <= self.serve.port < 65536, "serve.port must be in [0, 65535]"),
             (self.serve.steps_per_call >= 1, "serve.steps_per_call must be >= 1"),
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),
@@ -159,16 +165,25 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 if value.lower() in ("0", "false", "no", "off"):
                     return False
                 raise ValueError(value)
-            return bool(value)
+            if not isinstance(value, bool):  # TOML `ignore_eos = 5` is a mistake, not True
+                raise TypeError(value)
+            return value
+        # A TOML/--set `true` is not the number 1, and nan/inf pass every `>=` check downstream.
+        if isinstance(value, bool):
+            raise TypeError(value)
         if annotation is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             return int(value)
         if annotation is float:
-            return float(value)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(value)
+            return value
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigValueError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
+        what = "a finite float" if annotation is float else annotation.__name__
+        raise ConfigValueError(f"{key}: expected {what}, got {value!r}") from None
 
 
 def _section_with(section: Any, name: str, values: dict[str, Any]) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -127,30 +128,57 @@ def config_from_args(args, *, base=None, extra_keys: dict[str, str] | None = Non
     return load_config(args.config, overrides, base=base)
 
 
+# (field, integer?, accepts(value), what it must be): a JSONL line's own sampling fields.
+# Bounds follow the device arrays: top_k is int32, the noise is keyed by a uint32 seed.
+LINE_FIELDS = (
+    ("max_new_tokens", True, lambda v: v >= 1, "an integer >= 1"),
+    ("temperature", False, lambda v: v >= 0, "a finite number >= 0"),
+    ("top_p", False, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("top_k", True, lambda v: 0 <= v < 2**31, "an integer in [0, 2^31)"),
+    ("seed", True, lambda v: 0 <= v < 2**32, "an integer in [0, 2^32)"),
+)
+
+
+def line_number(value: Any, integer: bool) -> int | float | None:
+    """`value` as a number, or None. JSON's NaN/Infinity, true/false and, for an
+    integer, 2.7 are refused rather than turned into something the line never said."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float):
+        if not math.isfinite(value) or (integer and not value.is_integer()):
+            return None
+        return int(value) if integer else value
+    return value if integer else float(value)
+
+
+def line_sampling(entry: dict, defaults: dict[str, Any], where: str) -> dict[str, Any]:
+    from jaxspec.prompts import PromptError
+
+    out = {}
+    for key, integer, ok, what in LINE_FIELDS:
+        if key not in entry:
+            out[key] = defaults[key]
+            continue
+        v = line_number(entry[key], integer)
+        if v is None or not ok(v):
+            raise PromptError(f"{where}: {key} must be {what}, got {json.dumps(entry[key])[:60]}")
+        out[key] = v
+    return out
+
+
 def build_requests(entries: list[dict], tokenizer, cfg, stop_ids: tuple[int, ...]):
     from jaxspec.engine import Request
-    from jaxspec.prompts import PromptError, encode_entry
+    from jaxspec.prompts import encode_entry
 
     s = cfg.sampling
     requests = []
     for i, entry in enumerate(entries):
         where = entry.get("_where", f"prompt {i}")
         ids = encode_entry(entry, tokenizer, where)
-        try:
-            req = Request(
-                prompt_ids=ids,
-                max_new_tokens=int(entry.get("max_new_tokens", s.max_new_tokens)),
-                temperature=float(entry.get("temperature", s.temperature)),
-                top_p=float(entry.get("top_p", s.top_p)),
-                top_k=int(entry.get("top_k", s.top_k)),
-                seed=int(entry.get("seed", s.seed + i)),
-                stop_token_ids=() if s.ignore_eos else stop_ids,
-            )
-        except (TypeError, ValueError):
-            raise PromptError(f"{where}: sampling fields must be numbers") from None
-        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
-            raise PromptError(f"{where}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        requests.append(req)
+        defaults = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                    "top_k": s.top_k, "seed": (s.seed + i) % 2**32}
+        requests.append(Request(prompt_ids=ids, stop_token_ids=() if s.ignore_eos else stop_ids,
+                                **line_sampling(entry, defaults, where)))
     return requests
 
 
@@ -185,6 +213,7 @@ def build_draft(cfg, model, dtype, progress):
 def run(args) -> int:
     import jax.numpy as jnp
 
+    from jaxspec.config import ConfigValueError
     from jaxspec.engine import Engine
     from jaxspec.models.loading import load_model
     from jaxspec.models.sharding import setup_mesh
@@ -192,6 +221,8 @@ def run(args) -> int:
 
     mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
     cfg = config_from_args(args)
+    if args.profile_phases and cfg.spec.algorithm.lower() == "none":
+        raise ConfigValueError("--profile-phases times the phases of speculative decoding: it needs --spec")
     progress = not args.quiet
     if args.prompt is not None:
         entries = [{"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}]
@@ -267,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.models.loading import LoadError
     from jaxspec.models.sharding import MeshError
     from jaxspec.prompts import PromptError
-    from jaxspec.cache.paged import OutOfPagesError
+    from jaxspec.cache.paged import CacheMemoryError, OutOfPagesError
     from jaxspec.speculative.algorithm import SpecConfigError
     from jaxspec.native.build import NativeKernelError
 
@@ -275,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError,
-            MeshError, NativeKernelError, OSError) as e:
+            CacheMemoryError, MeshError, NativeKernelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
