@@ -242,7 +242,7 @@ def run(args) -> int:
         from jaxspec.speculative.ngram import corpus_token_array
 
         try:
-            corpus = corpus_token_array(cfg.spec.ngram_corpus, model.tokenizer)
+            corpus = corpus_token_array(cfg.spec.ngram_corpus, model.tokenizer, vocab_size=model.config.vocab_size)
         except (ValueError, KeyError) as e:  # json errors are ValueErrors
             raise PromptError(f"--ngram-corpus {cfg.spec.ngram_corpus}: {e}") from None
     engine = Engine(model.params, model.config, cfg.engine, progress=progress,

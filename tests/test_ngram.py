@@ -397,3 +397,77 @@ def test_prepended_corpus_supplies_drafts_and_separators_stop_continuations(tmp_
     tokens, _ = ngram_propose(jnp.asarray(history), jnp.array([4]), num_draft_tokens=5, topk=1,
                               min_match=2, max_match=3)
     assert tokens.tolist() == [[3, -1, -1, -1, -1]]
+
+
+# --------------------------------------------------------------------------
+# Corpus ids are checked against the vocabulary at load (issue 10, defect 7)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [50, 99_999_999, -3, 1.5, True, "7"])
+def test_corpus_id_outside_vocab_is_refused_at_load(tmp_path, bad):
+    from jaxspec.speculative.ngram import CorpusError, corpus_token_array
+
+    vocab = 50
+    path = tmp_path / "corpus.jsonl"
+
+    def write(x):
+        # Line 3 (after a blank line) holds the tested id at position 2.
+        path.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n\n"
+                        + json.dumps({"prompt_ids": [4], "output_ids": [5, x, 6]}) + "\n")
+
+    write(vocab - 1)  # positive control: the largest real id loads
+    assert (vocab - 1) in corpus_token_array(path, vocab_size=vocab).tolist()
+    write(bad)
+    with pytest.raises(CorpusError) as err:
+        corpus_token_array(path, vocab_size=vocab)
+    msg = str(err.value)
+    assert f"corpus.jsonl:3: token id {bad!r}" in msg or f"corpus.jsonl:3: token id {bad}" in msg
+    assert "(position 2)" in msg
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        assert "vocabulary of 50 ids (0..49)" in msg
+    else:
+        assert "not an integer" in msg
+    assert issubclass(CorpusError, ValueError)  # generate.py turns ValueErrors into `error: ...`
+
+
+def test_corpus_text_lines_are_checked_too(tmp_path):
+    from jaxspec.speculative.ngram import CorpusError, NgramCorpus
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"text": "abc"}) + "\n")
+    # A tokenizer whose ids reach past the model's vocabulary (added tokens).
+    assert len(NgramCorpus.from_jsonl(path, lambda s: [ord(c) for c in s], vocab_size=100)) == 1
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: token id 99 .*vocabulary of 99 ids"):
+        NgramCorpus.from_jsonl(path, lambda s: [ord(c) for c in s], vocab_size=99)
+
+
+def test_corpus_without_vocab_size_still_refuses_negative_ids(tmp_path):
+    # A negative id would pass for a document separator in the device array.
+    from jaxspec.speculative.ngram import CorpusError, corpus_token_array
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt_ids": [1, 10**6]}) + "\n")
+    assert corpus_token_array(path).tolist()[1:3] == [1, 10**6]
+    path.write_text(json.dumps({"prompt_ids": [1, -2, 3]}) + "\n")
+    with pytest.raises(CorpusError, match="token id -2 .*ids >= 0"):
+        corpus_token_array(path)
+
+
+def test_generate_cli_reports_corpus_id_outside_vocab(tiny_dirs, tmp_path, capsys):
+    from jaxspec.generate import main
+
+    path, _ = tiny_dirs["llama"]
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [5, 17, 33, 9]}) + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"prompt_ids": [5, 17, 33, 9, 99_999_999]}) + "\n")
+    argv = ["--model", str(path), "--prompts", str(prompts), "--spec", "ngram", "--num-draft-tokens", "4",
+            "--ngram-corpus", str(corpus), "--max-new-tokens", "2", "--max-context", "64", "--quiet",
+            "--set", "engine.length_buckets=16,32,64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --ngram-corpus"), err
+    assert "corpus.jsonl:1: token id 99999999 (position 4)" in err
+    assert f"vocabulary of {vocab} ids" in err

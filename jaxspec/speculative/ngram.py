@@ -72,6 +72,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import numbers
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -363,6 +364,31 @@ def merge_extra(
 # --------------------------------------------------------------------------
 
 
+class CorpusError(ValueError):
+    """A corpus line jaxspec cannot use; the message names the file, line and id."""
+
+
+def check_corpus_ids(ids: Sequence[Any], vocab_size: int | None, where: str) -> list[int]:
+    """ids as ints, or CorpusError naming `where` (e.g. "file:line") and the bad id.
+
+    Corpus ids become drafts unchecked, and an id past the vocabulary reads a
+    clamped (real) probability in a gather, so it must be refused at load. A
+    negative id would also pass for a document separator. vocab_size None
+    checks only that ids are non-negative integers.
+    """
+    out = []
+    for pos, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise CorpusError(f"{where}: token id {t!r} (position {pos}) is not an integer")
+        t = int(t)
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = (f"the vocabulary of {vocab_size} ids (0..{vocab_size - 1})"
+                     if vocab_size is not None else "ids >= 0")
+            raise CorpusError(f"{where}: token id {t} (position {pos}) is outside {bound}")
+        out.append(t)
+    return out
+
+
 class NgramCorpus:
     """Bounded n-gram index over token sequences, queried on the host.
 
@@ -454,13 +480,16 @@ class NgramCorpus:
             out[i, : len(cont)] = cont
         return out
 
-    def load_jsonl(self, path: str | os.PathLike, tokenizer: Any = None) -> int:
+    def load_jsonl(self, path: str | os.PathLike, tokenizer: Any = None,
+                   vocab_size: int | None = None) -> int:
         """Add every line of a JSONL corpus; returns the number of documents added.
 
         A line is {"text": str} (needs `tokenizer`: an object with
         `.encode(text)` or a callable text -> ids; special tokens are not
         added when the tokenizer supports that) or {"prompt_ids": [...]},
         {"output_ids": [...]} or both (one document, prompt then output).
+        Every id must be an integer in [0, vocab_size) (`check_corpus_ids`;
+        pass the model's vocab_size), else CorpusError names the line.
         """
         added = 0
         with open(path, encoding="utf-8") as f:
@@ -477,29 +506,31 @@ class NgramCorpus:
                 else:
                     raise ValueError(f"{path}:{lineno}: expected 'text', 'prompt_ids' or "
                                      f"'output_ids', got keys {sorted(rec)}")
-                self.add(ids)
+                self.add(check_corpus_ids(ids, vocab_size, f"{path}:{lineno}"))
                 added += 1
         return added
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike, tokenizer: Any = None,
-                   **kwargs: Any) -> "NgramCorpus":
+                   vocab_size: int | None = None, **kwargs: Any) -> "NgramCorpus":
         """`NgramCorpus(**kwargs)` filled from `path` (see `load_jsonl`)."""
         corpus = cls(**kwargs)
-        corpus.load_jsonl(path, tokenizer)
+        corpus.load_jsonl(path, tokenizer, vocab_size)
         return corpus
 
 
 CORPUS_SEPARATOR = -2
 
 
-def corpus_token_array(path: str | os.PathLike, tokenizer: Any = None, max_tokens: int = 16384) -> np.ndarray:
+def corpus_token_array(path: str | os.PathLike, tokenizer: Any = None, max_tokens: int = 16384,
+                       vocab_size: int | None = None) -> np.ndarray:
     """A JSONL corpus (see `NgramCorpus.load_jsonl`) as one flat int32 array for the
     on-device drafter: documents joined by CORPUS_SEPARATOR, most recent last,
     cut to the last `max_tokens`. The loop prepends it to every sequence's
-    history, so matches can come from the corpus without any host round trip."""
+    history, so matches can come from the corpus without any host round trip.
+    vocab_size: the target model's; ids outside [0, vocab_size) raise CorpusError."""
     corpus = NgramCorpus(max_tokens=max_tokens)
-    corpus.load_jsonl(path, tokenizer)
+    corpus.load_jsonl(path, tokenizer, vocab_size)
     out: list[int] = [CORPUS_SEPARATOR]
     for doc in corpus._docs.values():
         out += list(doc) + [CORPUS_SEPARATOR]
