@@ -37,8 +37,8 @@ def llama(tiny_dirs):
     return model, hf, refs
 
 
-def spec_engine(model, page_size=16, draft=None, **spec_kw):
-    ecfg = EngineSection(max_batch_size=4, max_context=128, length_buckets=(16, 32, 64, 128), page_size=page_size)
+def spec_engine(model, page_size=16, draft=None, batch=4, **spec_kw):
+    ecfg = EngineSection(max_batch_size=batch, max_context=128, length_buckets=(16, 32, 64, 128), page_size=page_size)
     if spec_kw["algorithm"] == "standalone":
         # The [spec] section describes the draft we pass: the target's first N layers.
         draft = draft or (model.params, model.config)
@@ -129,12 +129,69 @@ def test_sampling_verifiers_are_seeded_and_exact_for_greedy_requests(llama, veri
     assert_greedy_equal(hf, PROMPTS[1], mixed[0].output_ids, refs[1])
 
 
-def test_tree_rejection_sampling_runs_with_deterministic_tree_drafts(llama):
+def _chi_square_pvalue(counts, probs):
+    """Pearson chi-square of counts against probs, cells with expected count < 5 pooled."""
+    from scipy import stats
+
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    assert counts[probs == 0].sum() == 0, "a zero-probability token was sampled"
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def test_tree_rejection_sampling_follows_the_target_with_deterministic_tree_drafts(llama):
+    """Sampled rows (temperature > 0) run verify_rejection on top-k tree drafts
+    (an all-greedy batch takes the greedy rule and never would). 4096 seeded
+    requests: the second token, the first one a verify step emits (an accepted
+    draft or a residual sample), follows the marginal computed from Hugging Face
+    logits of every prefix; the same samples reject two other temperatures."""
+    import torch
+
     model, hf, refs = llama
-    engine = spec_engine(model, algorithm="standalone", topk=2, num_steps=3, num_draft_tokens=6,
-                         verify="rejection")
-    res = engine.generate([Request(PROMPTS[0], max_new_tokens=NEW)])[0]
-    assert_greedy_equal(hf, PROMPTS[0], res.output_ids, refs[0])
+    draft = truncate_layers(model.params, model.config, 1)  # disagrees often: rejections and residuals
+    engine = spec_engine(model, draft=draft, batch=64, algorithm="standalone", topk=2, num_steps=3,
+                         num_draft_tokens=6, verify="rejection")
+    prompt, temp, n, new, batch = PROMPTS[0], 0.7, 4096, 3, 64
+    max_depth = engine.spec_plan.max_depth
+
+    def run(seeds, extra=()):
+        return engine.generate([*extra, *(Request(prompt, max_new_tokens=new, temperature=temp, seed=int(s))
+                                          for s in seeds)])
+
+    results = [r for start in range(0, n, batch) for r in run(range(start, start + batch))]
+    out = np.asarray([r.output_ids for r in results])
+    assert out.shape == (n, new) and ((out >= 0) & (out < model.config.vocab_size)).all()
+    # Accept lengths agree with the outputs: the prefill emits one token, each verify
+    # commits its accept length, and only the last verify may be cut at max_new_tokens.
+    for r in results:
+        a = r.accept_lengths
+        assert a and all(1 <= x <= max_depth + 1 for x in a), a
+        assert 1 + sum(a[:-1]) < new <= 1 + sum(a), a
+    assert sum(x > 1 for r in results for x in r.accept_lengths) > 0.05 * n  # drafts do get accepted
+    # Sampled, not greedy: most seeds leave the greedy path within three tokens.
+    assert (out != np.asarray(refs[0][:new])).any(axis=1).mean() > 0.5
+    # Same seeds again, now beside a greedy row: identical samples, and the greedy row is exact.
+    again = run(range(batch - 1), extra=[Request(PROMPTS[1], max_new_tokens=new)])
+    assert_greedy_equal(hf, PROMPTS[1], again[0].output_ids, refs[1][:new])
+    assert [(r.output_ids, r.accept_lengths) for r in again[1:]] == \
+        [(r.output_ids, r.accept_lengths) for r in results[: batch - 1]]
+
+    with torch.no_grad():
+        first = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
+        second = hf(torch.tensor([prompt + [v] for v in range(256)])).logits[:, -1].double().numpy()
+
+    def softmax(x, t):
+        z = np.exp((x - x.max(-1, keepdims=True)) / t)
+        return z / z.sum(-1, keepdims=True)
+
+    alpha = 1e-3
+    c1, c2 = (np.bincount(out[:, i], minlength=256) for i in range(2))
+    assert _chi_square_pvalue(c1, softmax(first, temp)) > alpha
+    assert _chi_square_pvalue(c2, softmax(first, temp) @ softmax(second, temp)) > alpha
+    for wrong in (1.0, 0.5):  # positive controls on the same samples
+        assert _chi_square_pvalue(c2, softmax(first, wrong) @ softmax(second, wrong)) < alpha, wrong
 
 
 # (topk, num_draft_tokens, page_size): a chain, trees with page size > 1 and 1.
