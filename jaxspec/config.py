@@ -66,7 +66,7 @@ class SpecSection:
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int = 4
-    verify: str = "greedy"
+    verify: str = "auto"  # greedy rule for greedy rows, lossless rejection for sampled ones
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
     draft_model: str = ""

@@ -130,7 +130,6 @@ def make_prefill_fn(cfg: ModelConfig):
 def make_spec_prefill_fn(cfg: ModelConfig, drafter):
     """Target prefill, then the loop carry of the speculative loop (and the draft prefill)."""
     from jaxspec.speculative.loop import SpecState
-    from jaxspec.speculative.standalone import DraftState
 
     prefill = make_prefill_fn(cfg)
 
@@ -140,10 +139,7 @@ def make_spec_prefill_fn(cfg: ModelConfig, drafter):
         b = tokens.shape[0]
         history = jnp.zeros((b, max_out), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
         history = history.at[jnp.arange(b), prompt_lens].set(d.last_token, mode="drop")
-        draft = None
-        if drafter is not None:
-            state = DraftState(cache=draft_cache, draft_len=jnp.zeros((b,), jnp.int32))
-            draft = drafter.prefill(draft_params, state, tokens, prompt_lens, page_table)
+        draft = drafter.prefill(draft_params, drafter.init_state(draft_cache, b), tokens, prompt_lens, page_table)
         return SpecState(
             cache=d.cache, draft=draft, page_table=page_table, history=history,
             hist_len=prompt_lens + (prompt_lens > 0).astype(jnp.int32), prompt_lens=prompt_lens,
@@ -197,7 +193,7 @@ class Engine:
     def __init__(
         self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
         spec=None, draft: tuple[dict, ModelConfig] | None = None, ngram_corpus=None,
-        mesh: jax.sharding.Mesh | None = None,
+        mesh: jax.sharding.Mesh | None = None, benchmark: bool = False,
     ):
         """`params`/`draft` params as loaded (Hugging Face layout); the engine keeps
         the runtime layout (`prepare_params`). `spec`: a SpecSection (algorithm !=
@@ -233,47 +229,49 @@ class Engine:
         self.draft_cache = None
         self.corpus = None
         if spec is not None and spec.algorithm.lower() != "none":
-            self._init_spec(spec, draft, num_pages, ngram_corpus)
+            self._init_spec(spec, draft, num_pages, ngram_corpus, benchmark)
         else:
             self._prefill = jax.jit(self.pinned(make_prefill_fn(cfg)), donate_argnums=(1,), static_argnums=(6,))
             self._decode = jax.jit(self.pinned(make_decode_fn(cfg)), donate_argnums=(1,))
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
 
-    def _init_spec(self, spec, draft, num_pages: int, ngram_corpus) -> None:
+    def _init_spec(self, spec, draft, num_pages: int, ngram_corpus, benchmark: bool) -> None:
+        from jaxspec.speculative.algorithm import algorithm_info, validate_spec_config
+        from jaxspec.speculative.drafter import build_drafter, reserve_tokens
         from jaxspec.speculative.loop import SpecPlan, make_spec_decode_fn
-        from jaxspec.speculative.standalone import StandaloneDrafter
 
-        from jaxspec.speculative.algorithm import validate_spec_config
-
-        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=True))
+        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=benchmark))
         if ngram_corpus is not None:
             if plan.algorithm != "ngram":
                 raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
             self.corpus = shd.shard_batch(np.asarray(ngram_corpus, np.int32).reshape(1, -1), self.mesh)
-        drafter = None
-        if plan.algorithm == "standalone":
-            if draft is None:
-                raise RequestError("standalone speculation needs a draft model")
+        dcfg = None
+        if algorithm_info(plan.algorithm).needs_draft_model and draft is not None:
             dparams, dcfg = draft
             if self.mesh is not None:
                 shd.validate_for_model(self.mesh, dcfg, "draft model")
-            self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack,
-                                                                    native=self.native_kernels), dcfg, self.mesh)
             if dcfg.vocab_size != self.cfg.vocab_size:
                 raise RequestError(
                     f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
                     "the draft model must share the target's tokenizer"
                 )
-            drafter = StandaloneDrafter(
-                dcfg, plan.num_steps, plan.topk, plan.num_draft_tokens, sample_drafts=plan.verify == "rejection"
-            )
+            self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack,
+                                                                    native=self.native_kernels), dcfg, self.mesh)
+        try:
+            drafter = build_drafter(plan, draft_cfg=dcfg, target_cfg=self.cfg)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if drafter.needs_draft_cache:
+            if dcfg is None:
+                raise RequestError(f"algorithm {plan.algorithm!r} keeps a draft KV cache but has no draft model")
             check_cache_fits((dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
                              self.draft_params["embed"].dtype, self.mesh, "draft KV cache")
             self.draft_cache = shd.zeros_cache(
                 (dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
                 self.draft_params["embed"].dtype, self.mesh,
             )
+        self._reserve = reserve_tokens(plan, drafter)
         self.spec_plan = plan
         self.drafter = drafter
         self._prefill = jax.jit(self.pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),
@@ -298,8 +296,9 @@ class Engine:
 
     @property
     def reserve_tokens(self) -> int:
-        """Cache slots a sequence needs beyond prompt + max_new: the verify tree's scratch."""
-        return self.spec_plan.num_draft_tokens if self.spec_plan else 0
+        """Cache slots a sequence needs beyond prompt + max_new: the verify tree
+        and the drafter's own scratch (`drafter.scratch_tokens`)."""
+        return self._reserve if self.spec_plan else 0
 
     # ---- buckets and compilation -------------------------------------------------
 
@@ -380,6 +379,13 @@ class Engine:
             )
         if len(req.stop_token_ids) > MAX_STOP_IDS:
             raise RequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
+        if self.spec_plan is not None:
+            from jaxspec.speculative.algorithm import check_request_sampling
+
+            try:
+                check_request_sampling(self.spec_plan.verify, req.temperature)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
 
     def plan(self, requests: Sequence[Request]) -> list[tuple[list[int], tuple[int, int, int]]]:
         """Split requests into batches and choose each batch's bucket."""

@@ -246,7 +246,8 @@ def run(args) -> int:
         except (ValueError, KeyError) as e:  # json errors are ValueErrors
             raise PromptError(f"--ngram-corpus {cfg.spec.ngram_corpus}: {e}") from None
     engine = Engine(model.params, model.config, cfg.engine, progress=progress,
-                    spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus, mesh=mesh)
+                    spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus, mesh=mesh,
+                    benchmark=True)  # simulate_accept_length output is labelled non-exact
     model.params = draft = None  # the engine holds its own runtime layout; free the loader's copy
     engine.compile(sorted({bucket for _, bucket in engine.plan(requests)}))
     t_ready = time.perf_counter()

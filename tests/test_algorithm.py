@@ -185,7 +185,7 @@ def test_valid_configs_pass_and_canonicalise():
     (dict(algorithm="medusa"), "'medusa' is not implemented yet"),
     (dict(algorithm="dflash"), "'dflash' is not implemented yet"),
     (dict(algorithm="dspark"), "'dspark' is not implemented yet"),
-    (dict(verify="typical"), r"spec.verify must be one of greedy, target-only, rejection; got 'typical'"),
+    (dict(verify="typical"), r"spec.verify must be one of auto, greedy, target-only, rejection; got 'typical'"),
     (dict(verify="target_only"), "spec.verify must be one of"),
     (dict(threshold_single=0.0), r"spec.threshold_single must be in \(0, 1\]; got 0.0"),
     (dict(threshold_single=1.5), r"spec.threshold_single must be in \(0, 1\]"),

@@ -138,7 +138,7 @@ def decode_rates(cfg, params, batches, new_tokens: int, prompt_len: int, spec=No
     ecfg = EngineSection(max_batch_size=max(batches), max_context=prompt_len + new_tokens + 32,
                          length_buckets=(prompt_len, 2 * prompt_len, 4 * prompt_len, 8 * prompt_len),
                          layer_loop="scan")
-    engine = Engine(params, cfg, ecfg, progress=False, spec=spec)
+    engine = Engine(params, cfg, ecfg, progress=False, spec=spec, benchmark=True)
     rng = np.random.default_rng(1)
     out = {}
     for b in batches:

@@ -30,7 +30,7 @@ def engine_for(model, spec_kw: dict | None, draft=None):
 
     ecfg = EngineSection(max_batch_size=1, max_context=1024, length_buckets=(128, 256, 512, 1024))
     spec = SpecSection(**spec_kw) if spec_kw else None
-    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)
+    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft, benchmark=True)
 
 
 def run_engine(engine, prompts, max_new: int, warm: bool = True) -> tuple[list[float], list[int]]:

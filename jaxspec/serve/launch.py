@@ -32,11 +32,11 @@ SERVE_FLAG_KEYS = {
     "adaptive_steps": "serve.adaptive_steps",
 }
 # Speculation is on by default when serving: n-gram drafts cost no extra model,
-# rejection verify keeps sampled requests exact (all-greedy batches take the
+# verify "auto" keeps sampled requests exact (all-greedy batches take the
 # greedy rule), and the adaptive policy turns it off where it loses.
 # min match 2: the server's adaptive chains draft at most 3 tokens, so the
 # 1-gram cap buys nothing there, and a batched verify pays for every row's width.
-SERVE_DEFAULTS = {"spec.algorithm": "ngram", "spec.verify": "rejection", "spec.ngram_min_match": 2}
+SERVE_DEFAULTS = {"spec.algorithm": "ngram", "spec.verify": "auto", "spec.ngram_min_match": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,7 +32,8 @@ from jaxspec.models import sharding as shd
 from jaxspec.models.llama import forward
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
 from jaxspec.speculative.sampling import sample_token
-from jaxspec.speculative.standalone import DraftState, StandaloneDrafter
+from jaxspec.speculative.drafter import build_drafter, reserve_tokens
+from jaxspec.speculative.standalone import DraftState
 
 
 @dataclasses.dataclass
@@ -103,7 +104,6 @@ class ModelRunner:
         fixed_tree = len(self.candidates) == 1 and not base.chain
         self.plans = {k: (base if fixed_tree else plan_for_steps(base, k)) for k in self.candidates}
         self.max_depth = max(p.max_depth for p in self.plans.values())
-        self.reserve = max(p.num_draft_tokens for p in self.plans.values())
         ecfg = engine.ecfg
         self.batch_buckets = tuple(b for b in sorted(ecfg.batch_buckets) if b < ecfg.max_batch_size)
         self.batch_buckets += (ecfg.max_batch_size,)
@@ -117,14 +117,13 @@ class ModelRunner:
         # `pinned`: outputs keep the mesh layout, so each executable accepts its own outputs.
         self._prefill = jax.jit(engine.pinned(make_chunk_prefill_fn(self.cfg, draft_cfg)), donate_argnums=(2, 3))
         self._decode = {}
+        reserves = []
         for k, plan in self.plans.items():
-            drafter = None
-            if draft_cfg is not None:
-                drafter = StandaloneDrafter(draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
-                                            sample_drafts=plan.verify == "rejection",
-                                            catch_up_width=self.max_depth + 1)
+            drafter = build_drafter(plan, draft_cfg=draft_cfg, target_cfg=self.cfg, catch_up_width=self.max_depth + 1)
+            reserves.append(reserve_tokens(plan, drafter))
             fn = make_spec_decode_fn(plan, self.cfg, drafter, max_iters=steps_per_call)
             self._decode[k] = jax.jit(engine.pinned(fn), donate_argnums=(2,))
+        self.reserve = max(reserves)
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
         self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration

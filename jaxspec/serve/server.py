@@ -18,6 +18,7 @@ from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import APIError, GenParams
 from jaxspec.serve.runner import ModelRunner
 from jaxspec.serve.scheduler import Scheduler, Seq, SeqParams
+from jaxspec.speculative.algorithm import check_request_sampling
 
 log = logging.getLogger("jaxspec.serve")
 
@@ -65,6 +66,10 @@ class Server:
         if len(prompt_ids) >= self.max_context:
             raise APIError(400, f"{param_name}: the prompt has {len(prompt_ids)} tokens; the context is "
                                 f"{self.max_context}", param_name)
+        try:  # the server's --verify greedy would decode a sampled request greedily
+            check_request_sampling(self.runner.base_plan.verify, params.temperature)
+        except ValueError as e:
+            raise APIError(400, f"temperature: {e}", "temperature") from None
         why = self.scheduler.check(len(prompt_ids), sp)
         if why is not None:
             raise APIError(400, f"max_tokens: {why}", "max_tokens")

@@ -73,6 +73,9 @@ class AlgorithmInfo:
     # depth and num_draft_tokens <= 1 + topk + (num_steps-1)*topk^2. N-gram
     # lookups have no steps: their depth is bounded by num_draft_tokens alone.
     drafts_in_steps: bool = True
+    # Drafts of varying length, padded at the end (a lookup that may find
+    # little): the loop then verifies at the narrowest width that holds them.
+    variable_draft_width: bool = False
     implemented: bool = True
     speculative: bool = True  # False only for NONE: no draft, no verify
     description: str = ""
@@ -88,7 +91,7 @@ _BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
         speculative=False, description="plain autoregressive decode"),
     SpecAlgorithm.NGRAM: AlgorithmInfo(
         supports_tree=True, supports_rejection_sampling=True, is_deterministic_drafter=True,
-        drafts_in_steps=False,
+        drafts_in_steps=False, variable_draft_width=True,
         description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
     SpecAlgorithm.STANDALONE: AlgorithmInfo(
         needs_draft_model=True, needs_draft_kv_cache=True, supports_tree=True,
@@ -119,7 +122,27 @@ _BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
 }
 
 ALIASES: dict[str, SpecAlgorithm] = {"nextn": SpecAlgorithm.EAGLE}
-VERIFY_MODES = ("greedy", "target-only", "rejection")
+# "auto": the greedy rule on greedy rows, a lossless sampling rule on sampled
+# rows, per row in one batch (`sampling_verify` picks the rule). "greedy" is
+# refused for a sampled request: it would silently ignore the temperature.
+VERIFY_MODES = ("auto", "greedy", "target-only", "rejection")
+
+
+def sampling_verify(verify: str, info: AlgorithmInfo) -> str:
+    """The rule sampled rows get: `verify` itself, or for "auto" lossless
+    rejection where the drafter supports it, else target-only (lossless at its
+    default thresholds of 1)."""
+    if verify != "auto":
+        return verify
+    return "rejection" if info.supports_rejection_sampling else "target-only"
+
+
+def check_request_sampling(verify: str, temperature: float) -> None:
+    """Refuse a sampled request under the greedy rule (it would decode greedily)."""
+    if verify == "greedy" and temperature > 0:
+        raise SpecConfigError(
+            f"spec.verify='greedy' ignores temperature, but the request has temperature={temperature}: "
+            "use spec.verify='auto' (or 'rejection'), or temperature 0")
 
 # name -> (info, factory). Module-level on purpose: plugins register at import.
 _PLUGINS: dict[str, tuple[AlgorithmInfo, Callable[..., Any] | None]] = {}
@@ -263,7 +286,7 @@ def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
         (s.topk == 1 or info.supports_tree,
          f"spec.topk={s.topk} needs a tree drafter, but algorithm {name!r} drafts chains "
          f"only; use spec.topk=1"),
-        (s.verify != "rejection" or info.supports_rejection_sampling,
+        (sampling_verify(s.verify, info) != "rejection" or info.supports_rejection_sampling,
          f"spec.verify='rejection' needs draft probabilities or a deterministic drafter, "
          f"which algorithm {name!r} does not provide; use greedy or target-only"),
         (not info.needs_draft_model or bool(s.draft_model) or s.draft_layers > 0,

@@ -52,13 +52,17 @@ class SpecPlan:
     num_draft_tokens: int  # N, root included
     topk: int
     num_steps: int
-    verify: str
+    verify: str  # as configured: auto | greedy | target-only | rejection
+    sampled_rule: str  # the rule sampled rows get: target-only | rejection (greedy: never sampled)
     threshold_single: float
     threshold_acc: float
     ngram_min_match: int
     ngram_max_match: int
     ngram_draft_tokens_by_match: tuple[int, ...]
     simulate_accept_length: int
+    # Capabilities of the algorithm (AlgorithmInfo), so nothing here asks its name.
+    drafts_in_steps: bool = True  # tree depth bounded by num_steps (else by num_draft_tokens)
+    variable_draft_width: bool = False  # drafts often end in padding: verify at narrower widths
 
     @property
     def chain(self) -> bool:
@@ -66,47 +70,41 @@ class SpecPlan:
 
     @property
     def max_depth(self) -> int:
-        if self.chain or self.algorithm == "ngram":
+        if self.chain or not self.drafts_in_steps:
             return self.num_draft_tokens - 1
         return self.num_steps
 
     @classmethod
     def from_config(cls, spec: SpecSection) -> "SpecPlan":
+        from jaxspec.speculative.algorithm import algorithm_info, sampling_verify
+
+        algorithm = spec.algorithm.lower()
+        info = algorithm_info(algorithm)
         return cls(
-            algorithm=spec.algorithm.lower(), num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
-            num_steps=spec.num_steps, verify=spec.verify, threshold_single=spec.threshold_single,
+            algorithm=algorithm, num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
+            num_steps=spec.num_steps, verify=spec.verify,
+            sampled_rule=sampling_verify(spec.verify, info), threshold_single=spec.threshold_single,
             threshold_acc=spec.threshold_acc, ngram_min_match=spec.ngram_min_match,
             ngram_max_match=spec.ngram_max_match, ngram_draft_tokens_by_match=spec.ngram_draft_tokens_by_match,
-            simulate_accept_length=spec.simulate_accept_length,
+            simulate_accept_length=spec.simulate_accept_length, drafts_in_steps=info.drafts_in_steps,
+            variable_draft_width=info.variable_draft_width,
         )
 
 
-def _draft(plan: SpecPlan, drafter, draft_params, s: SpecState):
-    """Tokens [B,N], parents [B,N] | None (chain), draft_probs [B,N,V] | None, new drafter state."""
-    live = ~s.done
-    if plan.algorithm == "ngram":
-        from jaxspec.speculative.ngram import ngram_propose
+def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState):
+    """Accept decision, per row: the greedy rule for greedy rows, `plan.sampled_rule`
+    for sampled ones; returns a VerifyResult.
 
-        history, hist_len = s.history, s.hist_len
-        if s.corpus is not None:
-            history = jnp.concatenate([jnp.broadcast_to(s.corpus, (history.shape[0], s.corpus.shape[1])), history], 1)
-            hist_len = hist_len + s.corpus.shape[1]
-        tokens, parents = ngram_propose(
-            history, hist_len, num_draft_tokens=plan.num_draft_tokens, topk=plan.topk,
-            min_match=plan.ngram_min_match, max_match=plan.ngram_max_match,
-            draft_tokens_by_match=plan.ngram_draft_tokens_by_match,
-        )
-        return tokens, (None if plan.chain else parents), None, s.draft
-    return drafter.propose(draft_params, s.draft, s.history, s.hist_len, s.page_table, live, s.sampling)
+    The sampling rules equal the greedy one on temperature-0 rows (their
+    target distribution is one-hot(argmax), and so is a sampling drafter's q),
+    which is what makes one rule per row possible in one batch. An all-greedy
+    batch takes the greedy rule outright and skips the noise draw over the
+    vocabulary (milliseconds per step on CPU). The branches only read logits,
+    so the cond costs no cache copy.
 
-
-def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState, seq_lens):
-    """Accept decision under the configured rule; returns a VerifyResult.
-
-    The sampling rules equal the greedy one on temperature-0 rows (the target
-    distribution is one-hot), so an all-greedy batch takes the greedy rule and
-    skips the noise draw over the vocabulary (milliseconds per step on CPU).
-    The branches only read logits, so the cond costs no cache copy.
+    Noise: the step's key is (seed, hist_len), hist_len being the index of the
+    first token this step emits (the root sits at hist_len - 1); see
+    `sampling.step_key`.
     """
 
     def greedy():
@@ -114,14 +112,14 @@ def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState, seq
         return verify_greedy(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, predict,
                              max_depth=plan.max_depth)
 
-    if plan.verify == "greedy":
+    if plan.verify == "greedy":  # sampled requests are refused up front (check_request_sampling)
         return greedy()
     sp = s.sampling
 
     def sampled():
         probs = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-        uniforms, bonus_noise = make_verify_noise(sp.seed, seq_lens, tokens.shape[1], logits.shape[-1])
-        if plan.verify == "target-only":
+        uniforms, bonus_noise = make_verify_noise(sp.seed, s.hist_len, tokens.shape[1], logits.shape[-1])
+        if plan.sampled_rule == "target-only":
             return verify_target_only(
                 tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, probs, uniforms, bonus_noise,
                 plan.threshold_single, plan.threshold_acc, max_depth=plan.max_depth,
@@ -145,7 +143,7 @@ def _simulate(plan: SpecPlan, result, logits):
 
 def draft_phase(plan: SpecPlan, drafter, draft_params, s: SpecState):
     """1. Draft: (tokens [B,N], parents [B,N] | None, draft_probs [B,N,V] | None, drafter state)."""
-    tokens, parents, draft_probs, draft_state = _draft(plan, drafter, draft_params, s)
+    tokens, parents, draft_probs, draft_state = drafter.propose(draft_params, s.draft, s)
     if plan.simulate_accept_length:
         tokens = jnp.maximum(tokens, 0)  # every node is real, so the forced path exists
     return tokens, parents, draft_probs, draft_state
@@ -155,7 +153,7 @@ def verify_widths(plan: SpecPlan) -> tuple[int, ...]:
     """Forward widths a verify step may use. Drafters that leave padding (n-gram:
     no match, or a short one) also get narrow widths, on the jnp path."""
     n = plan.num_draft_tokens
-    if plan.algorithm != "ngram" or plan.simulate_accept_length or use_kernel():
+    if not plan.variable_draft_width or plan.simulate_accept_length or use_kernel():
         return (n,)
     # Powers of two: a forward over up to 4 tokens costs one decode step on CPU,
     # and from there on cost grows with width (the n-gram match-length cap aims at 4).
@@ -212,7 +210,7 @@ def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens,
     seq_lens = s.hist_len - 1
     tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
     cache, logits = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live)
-    result = _verify(plan, tree, tokens, logits, draft_probs, s, seq_lens)
+    result = _verify(plan, tree, tokens, logits, draft_probs, s)
     if plan.simulate_accept_length:
         result = _simulate(plan, result, logits)
     return cache, result

@@ -26,14 +26,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-# Exp(1) noise is clamped to this so that w / E never divides by zero (E == 0
-# has probability ~1e-7 per element with float32 uniforms, and 0/0 = NaN would
-# win jnp.argmax).
-_MIN_EXP_NOISE = float(jnp.finfo(jnp.float32).tiny)
-
-# fold_in tags separating the two noise streams of one (seed, position) key.
-_UNIFORM_STREAM = 0
-_EXP_STREAM = 1
+# fold_in tags separating the noise streams of one (seed, index) step key.
+_UNIFORM_STREAM = 0  # acceptance coins, one per tree node
+_EXP_STREAM = 1  # the exponential race that draws the emitted (bonus / plain) token
+_DRAFT_STREAM = 2  # drafters that sample their proposals, one subkey per draft depth
 
 
 def argmax_last(
@@ -52,9 +48,45 @@ def argmax_last(
     return jnp.minimum(first, x.shape[-1] - 1)
 
 
-def _request_key(seed: Int[Array, ""], position: Int[Array, ""]) -> jax.Array:
+def step_key(seed: Int[Array, ""], index: Int[Array, ""]) -> jax.Array:
+    """The key of every random draw of the step whose first emitted token sits at `index`.
+
+    THE NOISE CONVENTION. A step that emits tokens at indices index, index+1,
+    ... (prefill: the first new token, index = prompt length; a plain decode
+    step: its one token; a verify step: its accepted drafts and bonus, index =
+    root index + 1) draws all its noise from (seed, index). Every step emits at
+    least one token, so the indices of successive steps strictly increase and no
+    two steps of a sequence ever share noise: each step's coins and race are
+    independent of everything that decided the tokens before it, which is what
+    makes the whole loop (not only one verify) lossless. A verify step that
+    accepts no draft uses the same (seed, index) race as a plain decode step at
+    that index, so it emits exactly the token plain decoding would.
+    """
     key = jax.random.key(jnp.asarray(seed).astype(jnp.uint32))
-    return jax.random.fold_in(key, jnp.asarray(position).astype(jnp.uint32))
+    return jax.random.fold_in(key, jnp.asarray(index).astype(jnp.uint32))
+
+
+def draft_key(seed: Int[Array, ""], index: Int[Array, ""], depth: int | Int[Array, ""]) -> jax.Array:
+    """Key for a sampling drafter's draw at `depth` (1-based) in the step keyed by `index`."""
+    key = jax.random.fold_in(step_key(seed, index), _DRAFT_STREAM)
+    return jax.random.fold_in(key, jnp.asarray(depth).astype(jnp.uint32))
+
+
+def exp_noise(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "*shape"]:
+    """Exp(1) samples that are never 0 nor inf.
+
+    `jax.random.exponential` returns exactly 0 with probability 2^-23 per
+    element (its uniform is a multiple of 2^-23 that can be 0); a zero, even
+    clamped to the smallest float, wins the race `argmax w / E` for any w > 0,
+    so at V = 49,152 about 0.6% of draws would emit a token of near-zero
+    probability. Here u = (m + 1/2) 2^-23 over the 2^23 mantissa values m is
+    exactly representable and strictly inside (0, 1), so E = -log(u) lies in
+    [6e-8, 16.6]: a token of probability p can win only by the ratio the exact
+    race allows up to that discretisation.
+    """
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * (2.0 ** -23)
+    return -jnp.log(u)
 
 
 @functools.partial(jax.jit, static_argnames=("num_nodes", "vocab_size"))
@@ -64,31 +96,27 @@ def make_verify_noise(
     num_nodes: int,
     vocab_size: int,
 ) -> tuple[Float[Array, "B N"], Float[Array, "B V"]]:
-    """Per-request noise for one verification step.
+    """Per-request noise for one verification (or plain sampling) step.
 
     Args:
       seeds: [B] uint32/int32 per-request seed.
-      positions: [B] int32 position of the tree root (the last committed token)
-        in its sequence; a step's noise is a function of (seed, position) only.
+      positions: [B] int32 index of the first token the step emits (the root's
+        index + 1 in a verify step; see `step_key` for why not the root's).
       num_nodes: N, nodes per tree (static).
       vocab_size: V (static).
 
     Returns:
       uniforms: [B, N] float32 in [0, 1); uniforms[b, j] is the coin of node j
         (see jaxspec.speculative.verify for which test uses which coin).
-      bonus_noise: [B, V] float32 Exp(1) samples (> 0) for the exponential race
-        that draws the bonus token. It does not depend on N, so it equals the
-        noise `sample_token` uses at the same (seed, position): a verify step
-        that accepts no draft emits exactly the token plain decoding would.
+      bonus_noise: [B, V] float32 Exp(1) samples, strictly positive, for the
+        race that draws the bonus token. It does not depend on N, so it equals
+        the noise `sample_token` uses at the same (seed, position).
     """
 
     def one(seed, position):
-        key = _request_key(seed, position)
-        k_u = jax.random.fold_in(key, _UNIFORM_STREAM)
-        k_e = jax.random.fold_in(key, _EXP_STREAM)
-        u = jax.random.uniform(k_u, (num_nodes,), jnp.float32)
-        e = jax.random.exponential(k_e, (vocab_size,), jnp.float32)
-        return u, jnp.maximum(e, _MIN_EXP_NOISE)
+        key = step_key(seed, position)
+        u = jax.random.uniform(jax.random.fold_in(key, _UNIFORM_STREAM), (num_nodes,), jnp.float32)
+        return u, exp_noise(jax.random.fold_in(key, _EXP_STREAM), (vocab_size,))
 
     return jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(positions))
 

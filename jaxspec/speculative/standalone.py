@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
-from jaxspec.speculative.sampling import target_probs_from_logits
+from jaxspec.speculative.drafter import Proposal
+from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
-
-_DRAFT_STREAM = 0x5D
 
 
 @jax.tree_util.register_dataclass
@@ -51,9 +50,22 @@ class StandaloneDrafter:
     # a deep one still feeds every committed token.
     catch_up_width: int = 0
 
+    needs_draft_cache: bool = True
+
     @property
     def max_depth(self) -> int:
         return self.num_draft_tokens - 1 if self.topk == 1 else self.num_steps
+
+    @property
+    def scratch_tokens(self) -> int:
+        """Draft K/V slots written past hist_len: a chain feeds N - 2 drafts, a
+        tree re-runs its block of (num_steps - 1) * topk fed nodes."""
+        if self.topk == 1:
+            return max(self.num_draft_tokens - 2, 0)
+        return (self.num_steps - 1) * self.topk
+
+    def init_state(self, draft_cache: KVCache, batch: int) -> "DraftState":
+        return DraftState(cache=draft_cache, draft_len=jnp.zeros((batch,), jnp.int32))
 
     def prefill(self, params, state: DraftState, tokens, prompt_lens, page_table) -> DraftState:
         # tokens [B, L]; prompt_lens [B]
@@ -78,13 +90,14 @@ class StandaloneDrafter:
         )
         return out.logits[:, 0], DraftState(cache=out.cache, draft_len=kv_len)
 
-    def propose(self, params, state: DraftState, history, hist_len, page_table, live, sampling):
-        """Returns (tokens [B,N], parents [B,N] | None for chains, draft_probs [B,N,V] | None, state)."""
-        logits, state = self._catch_up(params, state, history, hist_len, page_table, live)
+    def propose(self, params, state: DraftState, s) -> Proposal:
+        """Catch up on the committed tokens, then draft a chain or a tree for loop state `s`."""
+        history, hist_len, page_table = s.history, s.hist_len, s.page_table
+        logits, state = self._catch_up(params, state, history, hist_len, page_table, ~s.done)
         root = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)[:, 0]
         if self.topk == 1:
-            return self._chain(params, state, logits, root, hist_len, page_table, sampling)
-        return self._tree(params, state, logits, root, hist_len, page_table)
+            return Proposal(*self._chain(params, state, logits, root, hist_len, page_table, s.sampling))
+        return Proposal(*self._tree(params, state, logits, root, hist_len, page_table))
 
     def _chain(self, params, state, logits, root, hist_len, page_table, sampling):
         n = self.num_draft_tokens
@@ -97,10 +110,10 @@ class StandaloneDrafter:
                 q = target_probs_from_logits(
                     logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p
                 )[:, 0]
-                keys = jax.vmap(
-                    lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), _DRAFT_STREAM)
-                )(sampling.seed, hist_len + step)
-                tok = jax.vmap(lambda k, qq: jax.random.categorical(k, jnp.log(qq)))(keys, q).astype(jnp.int32)
+                # The step's own key (first emitted index = hist_len), one subkey per depth.
+                noise = jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, step + 1), (q.shape[-1],)))(
+                    sampling.seed, hist_len)
+                tok = race_sample(q, noise).astype(jnp.int32)
                 qs.append(q)
             else:
                 tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
