@@ -262,6 +262,37 @@ def _fresh_prefill(params, cfg, tokens, cache, page_table, kv_len):
                    q_start=jnp.zeros(b, jnp.int32), kv_len=kv_len).cache
 
 
+def _whole_cache_copies(hlo_text: str, cache_shape) -> list[str]:
+    """Copies of an f32 array of the cache's full shape in compiled HLO text."""
+    import re
+
+    return re.findall(rf"= f32\[{','.join(map(str, cache_shape))}\]\S* copy\(", hlo_text)
+
+
+def test_whole_cache_copy_detector_catches_a_copying_loop(llama):
+    """Positive control for the test below: a while loop whose body reads the old
+    cache after updating it must keep both, so XLA copies the cache every
+    iteration, and the detector sees that; the same loop updating in place has none."""
+    engine = spec_engine(llama[0], algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4)
+    shape = engine.cache.k.shape
+    cache = jnp.zeros(shape, engine.cache.k.dtype)
+
+    def loop(k, read_old):
+        def body(c):
+            k, j = c
+            new = k.at[:, j].set(1.0)
+            return (new + k[0, 0, 0, 0, 0] if read_old else new), j + 1
+
+        return jax.lax.while_loop(lambda c: c[1] < 3, body, (k, 0))[0]
+
+    def compiled(read_old):
+        fn = jax.jit(lambda k: loop(k, read_old), donate_argnums=0)
+        return fn.lower(cache).compile().as_text()
+
+    assert _whole_cache_copies(compiled(True), shape)
+    assert not _whole_cache_copies(compiled(False), shape)
+
+
 @pytest.mark.parametrize("spec_kw", [
     dict(algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4),
     dict(algorithm="ngram", topk=2, num_steps=2, num_draft_tokens=5),
@@ -273,14 +304,11 @@ def test_loop_body_never_copies_the_cache(llama, spec_kw):
     # large pool. It crept in once: with forced acceptance the chain's (no-op) KV
     # move did not depend on the forward, so XLA scheduled it beside the last
     # layer's attention and copied the cache to allow that. The compiled loop
-    # must update the carry in place.
-    import re
-
+    # must update the carry in place. (Detector: test_whole_cache_copy_detector_catches_a_copying_loop.)
     engine = spec_engine(llama[0], **spec_kw)
     engine.generate([Request([5, 17, 33, 9], max_new_tokens=8)])
-    cache_shape = ",".join(map(str, engine.cache.k.shape))
-    for key, executable in engine._compiled.items():
-        if key[0] != "decode":
-            continue
-        copies = re.findall(rf"= f32\[{cache_shape}\]\S* copy\(", executable.as_text())
+    decode = [(key, ex) for key, ex in engine._compiled.items() if key[0] == "decode"]
+    assert decode, "no decode executable was compiled: nothing would be checked"
+    for key, executable in decode:
+        copies = _whole_cache_copies(executable.as_text(), engine.cache.k.shape)
         assert not copies, f"{key}: {len(copies)} whole-cache copies in the decode loop"
