@@ -15,9 +15,17 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "jaxspec"
 
-# (module, module) pairs that may still import each other, each with its reason.
-# Empty on purpose: every cycle found so far has been broken.
-ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+# Strongly connected components (sets of modules that import one another)
+# tolerated for now, each with its reason. An entry must match a component
+# exactly: if the component grows, or is broken, the test says so.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"jaxspec.speculative.drafter", "jaxspec.speculative.standalone"}): (
+        "introduced with the drafter protocol (commit 0ec11de), in files outside the "
+        "import-circle fix: standalone imports drafter.Proposal at module level and "
+        "drafter.build_drafter imports StandaloneDrafter lazily. Break it by moving "
+        "Proposal into the leaf jaxspec.speculative.types (re-exported from drafter) "
+        "and importing it from there in standalone, then delete this entry."),
+}
 
 
 # --------------------------------------------------------------------------
@@ -87,7 +95,12 @@ def import_graph(pkg_dir: Path) -> dict[str, set[str]]:
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """One concrete cycle [a, b, ..., a] per strongly connected component of
-    size > 1 (Tarjan), sorted so reports are stable."""
+    size > 1, sorted so reports are stable."""
+    return sorted(_cycle_in(comp, graph) for comp in strongly_connected(graph))
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Components of more than one module (Tarjan): each member reaches every other."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -119,7 +132,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for v in sorted(graph):
         if v not in index:
             strongconnect(v)
-    return sorted(_cycle_in(comp, graph) for comp in sccs)
+    return [frozenset(c) for c in sccs]
 
 
 def _cycle_in(comp: set[str], graph: dict[str, set[str]]) -> list[str]:
@@ -190,6 +203,17 @@ def test_detector_finds_function_level_and_relative_cycle(tmp_path):
     assert find_cycles(graph) == [["toypkg.ref", "toypkg.sub.kernel", "toypkg.ref"]]
 
 
+def test_components_are_whole_so_an_allowed_cycle_cannot_hide_a_new_one():
+    # a <-> b alone, then c joins through b -> c -> a: the component is now
+    # {a, b, c}, which an allowance for {a, b} does not cover.
+    graph = {"a": {"b"}, "b": {"a"}, "c": set(), "d": {"d"}}
+    assert strongly_connected(graph) == [frozenset({"a", "b"})]
+    graph["b"].add("c")
+    graph["c"].add("a")
+    assert strongly_connected(graph) == [frozenset({"a", "b", "c"})]
+    assert find_cycles(graph) == [["a", "b", "a"]]
+
+
 def test_detector_passes_acyclic_package(tmp_path):
     # Negative control: a diamond and a self-import are not cycles.
     pkg = _write_package(tmp_path, {
@@ -219,9 +243,14 @@ def test_graph_sees_the_package():
 
 
 def test_no_import_cycles():
-    cycles = find_cycles(import_graph(PACKAGE_DIR))
-    unexpected = [c for c in cycles if frozenset(c) not in ALLOWED_CYCLES]
-    assert not unexpected, "import cycles:\n" + "\n".join(format_cycle(c) for c in unexpected)
+    graph = import_graph(PACKAGE_DIR)
+    comps = strongly_connected(graph)
+    unexpected = sorted(_cycle_in(c, graph) for c in comps if c not in ALLOWED_CYCLES)
+    assert not unexpected, "import cycles:\n" + "\n".join(
+        f"{format_cycle(c)}   (component: {sorted(comp)})"
+        for c in unexpected for comp in comps if c[0] in comp)
+    stale = [sorted(c) for c in ALLOWED_CYCLES if c not in comps]
+    assert not stale, f"no longer a cycle, remove from ALLOWED_CYCLES: {stale}"
 
 
 # Kernels sit below their callers: a kernel module may import shared leaf types

@@ -11,7 +11,8 @@ Tree convention (shared by every drafter and verifier in jaxspec):
 * `tokens [B, N]`: a token < 0 marks a PADDING node (a drafter that found
   fewer candidates pads). Padding nodes have parent 0, see only themselves
   (plus the prefix), are unreachable from the retrieve tables and are never
-  accepted. The root is never padding, whatever its token.
+  accepted. The root is never padding, whatever its token. A token >= V is
+  not padding here (the tree does not know V); the verifiers skip it.
 * `prefix_lens [B]`: committed tokens whose KV is cached; node i is written at
   cache slot prefix_lens[b] + i during verification.
 

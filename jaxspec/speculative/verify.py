@@ -63,6 +63,11 @@ Degenerate guards (probability ~0 events, so outputs stay valid tokens): a
 rejection residual with zero mass restarts from target_probs[current]; a bonus
 race over an all-zero residual falls back to target_probs[current].
 
+Out-of-vocabulary drafts: a linked node whose token is outside [0, V) (a
+drafter that was not checked, e.g. a corpus past the vocabulary) is skipped
+exactly like padding: never accepted, never emitted, residual and coins
+untouched. Greedy needs no test for it (an argmax is always in range).
+
 The public functions run the Pallas kernels of `jaxspec.pallas.verify` on GPU
 (and in interpret mode), the jnp references below elsewhere; see
 `jaxspec.pallas` for the rule. They are not jitted themselves (the choice is
