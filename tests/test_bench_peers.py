@@ -29,9 +29,9 @@ needs_kernel = pytest.mark.skipif(not bandwidth.available(), reason="no C++ comp
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_native_read_bandwidth_reads_the_whole_buffer(threads):
-    r = bandwidth.read_bandwidth(num_bytes=(4 << 20) + 1000, passes=3, threads=threads)
+@pytest.mark.parametrize("threads,huge_pages", [(1, True), (2, True), (3, True), (2, False)])
+def test_native_read_bandwidth_reads_the_whole_buffer(threads, huge_pages):
+    r = bandwidth.read_bandwidth(num_bytes=(4 << 20) + 1000, passes=3, threads=threads, huge_pages=huge_pages)
     assert math.isfinite(r.gb_per_s) and r.gb_per_s > 0
     assert len(r.seconds) == 3 and all(s > 0 for s in r.seconds)
     # Whole 256-byte blocks per thread, no more than asked, and every float (a 1.0) was summed.
@@ -55,13 +55,13 @@ def test_bandwidth_is_bytes_over_the_best_pass_in_gb_per_s():
 def test_ctypes_plumbing_against_a_fake_kernel(monkeypatch):
     """A C-callable stand-in for the kernel writes known bytes and per-pass seconds; the
     Python side must hand them back unchanged and do the arithmetic."""
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                              ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double),
                              ctypes.POINTER(ctypes.c_double))
     seen = {}
 
-    def kernel(num_bytes, threads, passes, bytes_out, seconds_out, checksum_out):
-        seen.update(num_bytes=num_bytes, threads=threads, passes=passes)
+    def kernel(num_bytes, threads, passes, huge_pages, bytes_out, seconds_out, checksum_out):
+        seen.update(num_bytes=num_bytes, threads=threads, passes=passes, huge_pages=huge_pages)
         bytes_out[0] = 1_000_000_000
         for i in range(passes):
             seconds_out[i] = 0.05 * (i + 1)  # best pass: 0.05 s
@@ -71,7 +71,7 @@ def test_ctypes_plumbing_against_a_fake_kernel(monkeypatch):
     fake = proto(kernel)
     monkeypatch.setattr(bandwidth, "_load", lambda cache_dir=None: fake)
     r = bandwidth.read_bandwidth(num_bytes=123 << 20, passes=4, threads=2)
-    assert seen == {"num_bytes": 123 << 20, "threads": 2, "passes": 4}
+    assert seen == {"num_bytes": 123 << 20, "threads": 2, "passes": 4, "huge_pages": 1}
     assert r.bytes_per_pass == 1_000_000_000 and r.seconds == pytest.approx((0.05, 0.10, 0.15, 0.20))
     assert bandwidth.measure_read_bandwidth(passes=4) == pytest.approx(20.0)  # 1e9 B / 0.05 s = 20 GB/s
 
@@ -95,7 +95,7 @@ def test_roofline_uses_the_multi_threaded_figure_and_the_header_prints_both(monk
     bw = common.measure_bandwidths()
     assert bw.multi == pytest.approx(59e9) and bw.single == 27e9 and bw.roofline == bw.multi
     header = bw.header()
-    assert "59.0 GB/s multi-threaded" in header and "27.0 GB/s single-threaded" in header
+    assert "59.0 GB/s multi-threaded" in header and "27.0 GB/s numpy/XLA sum (old figure" in header
     assert common.measure_read_bandwidth() == pytest.approx(59e9)
 
 
@@ -109,7 +109,7 @@ def test_without_a_compiler_the_roofline_falls_back_with_a_note(monkeypatch, cap
     assert "no C++ compiler found" in capsys.readouterr().out
     bw = common.measure_bandwidths()
     assert bw.multi != bw.multi and bw.roofline == 25e9
-    assert "25.0 GB/s single-threaded" in bw.header() and "no C++ compiler" in bw.header()
+    assert "25.0 GB/s numpy/XLA sum" in bw.header() and "no C++ compiler" in bw.header()
 
 
 # --------------------------------------------------------------------------- #

@@ -43,8 +43,9 @@ def median(xs: Sequence[float]) -> float:
 
 def measure_single_thread_bandwidth(num_bytes: int = 1 << 30, reps: int = 7) -> float:
     """The old roofline figure: best of a numpy and an XLA streaming sum, bytes/s (median).
-    Neither saturates memory on a multi-core CPU (both ran one thread here), so it
-    understates the peak: kept only to print beside the multi-threaded figure."""
+    numpy sums on one thread and XLA only sometimes splits the reduce across threads,
+    so it understates the peak, and by a varying amount: kept only to print beside
+    the multi-threaded native figure."""
     import jax
     import jax.numpy as jnp
 
@@ -62,7 +63,7 @@ class Bandwidth:
     """Read bandwidths for the roofline, bytes/s. `multi` is NaN when the native kernel
     could not be built (`note` says why); the roofline then falls back to `single`."""
 
-    single: float  # numpy/XLA sum (the old figure); NaN when not measured
+    single: float  # best of the numpy and XLA sums (the old figure); NaN when not measured
     multi: float  # native streaming read on every core (jaxspec/native/bandwidth.cc)
     threads: int = 0
     note: str = ""
@@ -72,11 +73,11 @@ class Bandwidth:
         return self.multi if self.multi == self.multi else self.single
 
     def header(self) -> str:
-        single = f"{self.single / 1e9:.1f} GB/s single-threaded numpy/XLA sum"
+        single = f"{self.single / 1e9:.1f} GB/s numpy/XLA sum (old figure, numpy on one thread)"
         if self.multi == self.multi:
             return (f"read bandwidth {self.multi / 1e9:.1f} GB/s multi-threaded native read "
-                    f"({self.threads} threads; the roofline uses it), {single} (old figure)")
-        return f"read bandwidth {single} (the roofline uses it; {self.note})"
+                    f"({self.threads} threads, huge pages; the roofline uses it), {single}")
+        return f"read bandwidth {single}: the roofline uses it; {self.note}"
 
 
 def native_read_bandwidth(passes: int = 10) -> Bandwidth:
@@ -88,8 +89,8 @@ def native_read_bandwidth(passes: int = 10) -> Bandwidth:
         r = bandwidth.read_bandwidth(passes=passes)
     except NativeKernelError as e:
         return Bandwidth(float("nan"), float("nan"), 0,
-                         f"no multi-threaded figure ({e}); the single-threaded one understates the "
-                         "peak, so 'of roofline' may pass 100%")
+                         f"no multi-threaded figure ({e}), and this one understates the peak, "
+                         "so 'of roofline' may pass 100%")
     return Bandwidth(float("nan"), r.gb_per_s * 1e9, r.threads)
 
 

@@ -1,11 +1,13 @@
 """Multi-threaded streaming-read bandwidth (bandwidth.cc), the roofline of the CPU benchmarks.
 
-A single-threaded numpy or XLA sum does not saturate memory: on a 2-core EPYC it
-reads 23-31 GB/s while llama.cpp's F32 decode streams ~59 GB/s, so a roofline
-built on it can be beaten. This sums a buffer several times the last-level
-cache on every core at once, best of N passes. The kernel is plain C++ loaded
-with ctypes, compiled on first use like the XLA kernels (build.py) into its own
-small library, so it works whether or not those kernels build.
+The old roofline figure, the best of a numpy and an XLA sum, does not measure the
+peak: numpy sums on one thread (~24 GB/s on the 2-core EPYC), and whether XLA
+splits its reduce across threads varies from run to run (47-76 GB/s), while
+llama.cpp's F32 decode alone streams ~59 GB/s. This sums a buffer 16x the
+last-level cache on every core at once, from transparent huge pages, best of N
+passes (~85-89 GB/s there when the machine was quiet). The kernel is plain C++
+loaded with ctypes, compiled on first use like the XLA kernels (build.py) into
+its own small library, so it works whether or not those kernels build.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _load(cache_dir=None):
             except (OSError, AttributeError) as e:
                 raise NativeKernelError(f"loading the bandwidth kernel failed: {e}") from None
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64),
+            fn.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64),
                            ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]
             _lib["fn"] = fn
         return _lib["fn"]
@@ -130,14 +132,16 @@ def available(cache_dir=None) -> bool:
 
 
 def read_bandwidth(num_bytes: int | None = None, passes: int = 10, threads: int | None = None,
-                   cache_dir=None) -> ReadBandwidth:
-    """Run the kernel: `passes` streaming sums of ~`num_bytes` on `threads` threads."""
+                   huge_pages: bool = True, cache_dir=None) -> ReadBandwidth:
+    """Run the kernel: `passes` streaming sums of ~`num_bytes` on `threads` threads, the
+    buffer advised onto transparent huge pages unless `huge_pages` is False (4 KiB pages
+    read about half as fast on 2 cores here: the peak wants huge pages)."""
     num_bytes = default_num_bytes() if num_bytes is None else int(num_bytes)
     threads = default_threads() if threads is None else int(threads)
     fn = _load(cache_dir)
     got, checksum = ctypes.c_int64(0), ctypes.c_double(0.0)
     secs = (ctypes.c_double * passes)()
-    rc = fn(num_bytes, threads, passes, ctypes.byref(got), secs, ctypes.byref(checksum))
+    rc = fn(num_bytes, threads, passes, int(huge_pages), ctypes.byref(got), secs, ctypes.byref(checksum))
     if rc != 0:
         why = {-1: "bad arguments (buffer smaller than 256 bytes per thread?)", -2: "out of memory",
                -3: "could not start the threads"}.get(rc, f"error {rc}")
