@@ -226,6 +226,7 @@ class Engine:
         self.spec_plan = None
         self.drafter = None
         self.draft_params = None
+        self.draft_cfg = None  # the draft model's config, for drafters that have one
         self.draft_cache = None
         self.corpus = None
         if spec is not None and spec.algorithm.lower() != "none":
@@ -272,6 +273,7 @@ class Engine:
                 self.draft_params["embed"].dtype, self.mesh,
             )
         self._reserve = reserve_tokens(plan, drafter)
+        self.draft_cfg = dcfg
         self.spec_plan = plan
         self.drafter = drafter
         self._prefill = jax.jit(self.pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),

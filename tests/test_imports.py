@@ -18,14 +18,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "jaxspec"
 # Strongly connected components (sets of modules that import one another)
 # tolerated for now, each with its reason. An entry must match a component
 # exactly: if the component grows, or is broken, the test says so.
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"jaxspec.speculative.drafter", "jaxspec.speculative.standalone"}): (
-        "introduced with the drafter protocol (commit 0ec11de), in files outside the "
-        "import-circle fix: standalone imports drafter.Proposal at module level and "
-        "drafter.build_drafter imports StandaloneDrafter lazily. Break it by moving "
-        "Proposal into the leaf jaxspec.speculative.types (re-exported from drafter) "
-        "and importing it from there in standalone, then delete this entry."),
-}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 # --------------------------------------------------------------------------

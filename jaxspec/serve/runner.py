@@ -112,7 +112,7 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         ctx = [c for c in sorted(context_buckets) if c < engine.max_context] + [engine.max_context]
         self.context_buckets = tuple(ctx)
-        draft_cfg = engine.drafter.cfg if engine.drafter is not None else None
+        draft_cfg = engine.draft_cfg
         self.draft_cfg = draft_cfg
         # `pinned`: outputs keep the mesh layout, so each executable accepts its own outputs.
         self._prefill = jax.jit(engine.pinned(make_chunk_prefill_fn(self.cfg, draft_cfg)), donate_argnums=(2, 3))

@@ -146,7 +146,7 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
     if spec.ngram_corpus:
         from jaxspec.speculative.ngram import corpus_token_array
 
-        corpus = corpus_token_array(spec.ngram_corpus, model.tokenizer)
+        corpus = corpus_token_array(spec.ngram_corpus, model.tokenizer, vocab_size=model.config.vocab_size)
     if s.adaptive and candidates != (0,):
         # The engine's own plan is the deepest candidate (page reserve and buffers size to it).
         spec = dataclasses.replace(spec, topk=1, num_draft_tokens=max(candidates) + 1,

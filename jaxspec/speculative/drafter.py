@@ -29,20 +29,14 @@ and a post-verify `observe`; the seam is here so they need no loop change.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+
+from jaxspec.speculative.types import Proposal
 
 if TYPE_CHECKING:
     from jaxspec.speculative.loop import SpecPlan, SpecState
-
-
-class Proposal(NamedTuple):
-    tokens: Int[Array, "B N"]  # node 0 = root; -1 = padding
-    parents: Int[Array, "B N"] | None  # None = chain (parents[i] = i - 1)
-    draft_probs: Float[Array, "B N V"] | None  # q each node was drawn from; None = deterministic
-    state: Any  # the drafter's new state
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
-from jaxspec.speculative.drafter import Proposal
+from jaxspec.speculative.types import Proposal
 from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 

@@ -12,11 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, UInt32
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+# --------------------------------------------------------------------------
+# A drafter's proposal (protocol: jaxspec.speculative.drafter)
+# --------------------------------------------------------------------------
+
+
+class Proposal(NamedTuple):
+    tokens: Int[Array, "B N"]  # node 0 = root; -1 = padding
+    parents: Int[Array, "B N"] | None  # None = chain (parents[i] = i - 1)
+    draft_probs: Float[Array, "B N V"] | None  # q each node was drawn from; None = deterministic
+    state: Any  # the drafter's new state
+
 
 # --------------------------------------------------------------------------
 # Verification result (bonus-token convention: jaxspec.speculative.verify)

@@ -1,0 +1,356 @@
+"""Issue 10's loop defects, one test each (each failed before its fix):
+
+* a verify step that accepts no draft (k = 0) emits exactly plain decoding's token;
+* the race noise cannot be 0, so no token outside the support is ever drawn;
+* the default verify rule samples sampled requests, and `greedy` refuses them;
+* the drafter declares its scratch slots, so a deep tree at the end of the
+  context writes inside its own pages and acceptance does not depend on the batch;
+* a plugin drafter registered with a factory decodes exactly through the CLI;
+* simulate_accept_length is refused outside the benchmarks (engine and server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import EngineSection, SpecSection
+from jaxspec.engine import Engine, Request, RequestError
+from jaxspec.models.loading import load_model
+from jaxspec.speculative import algorithm as A
+from jaxspec.speculative.sampling import make_verify_noise, race_sample, sample_token
+from tests.reference import hf_greedy
+
+ECFG = EngineSection(max_batch_size=8, max_context=128, length_buckets=(16, 32, 64, 128), page_size=4)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dirs):
+    path, hf = tiny_dirs["llama"]
+    return load_model(str(path), progress=False), hf
+
+
+def sampled_requests(n: int, **kw) -> list[Request]:
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(n):
+        prompt = [int(t) for t in rng.integers(3, 250, size=int(rng.integers(3, 9)))]
+        reqs.append(Request(prompt, max_new_tokens=12, seed=1000 + i, **kw))
+    return reqs
+
+
+# ---- 1. k = 0 equals plain decoding -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)],
+                         ids=["T1", "T0.8-topk-topp"])
+def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
+    """The server's `--spec none` (and adaptive k = 0) is the speculative loop
+    drafting nothing; at T > 0 it must emit plain decoding's tokens exactly."""
+    from jaxspec.speculative.drafter import build_drafter
+    from jaxspec.speculative.loop import make_spec_decode_fn
+
+    model, _ = llama
+    reqs = sampled_requests(8, **sampling)
+    plain = [r.output_ids for r in Engine(model.params, model.config, ECFG, progress=False).generate(reqs)]
+
+    spec = Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm="ngram"))
+    k0 = dataclasses.replace(spec.spec_plan, num_draft_tokens=1, topk=1, num_steps=1)
+    decode = jax.jit(make_spec_decode_fn(k0, spec.cfg, build_drafter(k0)))
+    (idx, bucket), = spec.plan(reqs)
+    spec.compile([bucket])
+    timing = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}
+    got = [r.output_ids for r in spec._run_batch(reqs, bucket, timing, decode=decode)]
+    assert got == plain
+    greedy = [r.output_ids for r in Engine(model.params, model.config, ECFG, progress=False).generate(
+        [dataclasses.replace(r, temperature=0.0) for r in reqs])]
+    assert got != greedy  # the rows really were sampled
+
+
+# ---- 2. race noise ------------------------------------------------------------------------------
+
+
+def test_exp_noise_is_positive_and_finite_for_every_uniform():
+    """Every value the noise can take: it maps the 2^23 mantissas of the
+    uniform, so checking them all replaces any number of random draws."""
+    from jaxspec.speculative import sampling
+
+    bits = (jnp.arange(1 << 23, dtype=jnp.uint32) << 9)
+    orig = jax.random.bits
+    try:
+        jax.random.bits = lambda key, shape, dtype: bits  # the mapping from bits to E, over all of them
+        e = np.asarray(sampling.exp_noise(jax.random.key(0), bits.shape))
+    finally:
+        jax.random.bits = orig
+    assert np.isfinite(e).all() and e.min() > 5e-8 and e.max() < 17.0
+    # It is Exp(1): the mean of -log(u) over the uniform grid is 1.
+    assert abs(e.mean() - 1.0) < 1e-4
+
+
+def peaked_rows(b: int, vocab: int = 49152, support: int = 10) -> np.ndarray:
+    """Logits where `support` tokens hold all but ~1e-15 of the mass."""
+    logits = np.full((b, vocab), -45.0, np.float32)
+    logits[:, :support] = np.linspace(0.0, -2.0, support, dtype=np.float32)
+    return logits
+
+
+def test_sampling_never_draws_outside_the_support():
+    """Real vocabulary size, 10^4 draws through the real noise keying. With the
+    old clamped-to-tiny noise ~0.6% of draws (~60 here) were junk tokens."""
+    b, calls = 1000, 10
+    logits = jnp.asarray(peaked_rows(b))
+    ones, zeros = jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32)
+    drawn = np.concatenate([
+        np.asarray(sample_token(logits, ones, zeros, ones, jnp.arange(b) + c * b, jnp.full(b, 5 + c)))
+        for c in range(calls)])
+    assert (drawn < 10).all(), f"{(drawn >= 10).sum()} tokens outside the support"
+    assert len(np.unique(drawn)) == 10  # and the support itself is sampled
+
+
+def test_support_detector_catches_a_zero_noise_element():
+    """Positive control: a single exact-zero noise element clamped to the
+    smallest float (the old sampler) makes an outside token win."""
+    w = np.zeros((1, 49152), np.float32)
+    w[0, :10] = 0.1
+    w[0, 20_000] = 1e-30
+    e = np.ones((1, 49152), np.float32)
+    e[0, 20_000] = np.finfo(np.float32).tiny
+    assert int(race_sample(jnp.asarray(w), jnp.asarray(e))[0]) == 20_000
+    e[0, 20_000] = 6e-8  # the smallest value exp_noise can take
+    assert int(race_sample(jnp.asarray(w), jnp.asarray(e))[0]) < 10
+
+
+def test_rejection_kernel_equals_reference_on_peaked_rows():
+    """Interpret-mode kernel and jnp reference agree on near-one-hot rows, with
+    the real noise and the smallest noise value planted on near-zero tokens."""
+    from jaxspec.pallas.verify import verify_rejection_pallas
+    from jaxspec.speculative.verify import verify_rejection_ref
+    from tests.test_verify import retrieve_tables
+
+    b, n, vocab = 32, 4, 512
+    rng = np.random.default_rng(0)
+    p = np.asarray(jax.nn.softmax(jnp.asarray(peaked_rows(b * n, vocab, support=3))), np.float32).reshape(b, n, vocab)
+    parents = np.tile(np.int32([-1, 0, 1, 0]), (b, 1))
+    tokens = rng.integers(0, 3, size=(b, n)).astype(np.int32)
+    tokens[:, 1] = 0  # the likeliest token: often accepted
+    tokens[:, 3] = 400  # a near-zero-probability sibling
+    nt, ns = retrieve_tables(parents, tokens)
+    u, e = (np.asarray(x) for x in make_verify_noise(jnp.arange(b), jnp.full(b, 9), n, vocab))
+    e = e.copy()
+    e[:, 300:310] = 6e-8
+    got = verify_rejection_pallas(tokens, nt, ns, p, None, u, e, max_depth=2, interpret=True)
+    want = verify_rejection_ref(tokens, nt, ns, p, None, u, e, max_depth=2)
+    for f in ("accept_index", "num_accepted", "bonus_token"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)))
+    assert (np.asarray(want.bonus_token) < 3).all()
+    assert (np.asarray(want.num_accepted) > 0).any()
+
+
+# ---- 3. verify rules for sampled requests ------------------------------------------------------------
+
+
+def test_default_verify_samples_sampled_requests(llama):
+    model, _ = llama
+    assert SpecSection().verify == "auto"
+    engine = Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm="ngram"))
+    reqs = sampled_requests(8, temperature=1.0)
+    sampled = [r.output_ids for r in engine.generate(reqs)]
+    greedy = [r.output_ids for r in engine.generate([dataclasses.replace(r, temperature=0.0) for r in reqs])]
+    # Past the first token (sampled by prefill even before the fix), rows leave the greedy path.
+    assert sum(s[1:] != g[1:] for s, g in zip(sampled, greedy)) >= 6
+    # A mixed batch: greedy rows still decode exactly greedily.
+    mixed = [dataclasses.replace(r, temperature=0.0) if i % 2 else r for i, r in enumerate(reqs)]
+    out = [r.output_ids for r in engine.generate(mixed)]
+    assert all(out[i] == greedy[i] for i in range(1, 8, 2))
+    assert all(out[i] == sampled[i] for i in range(0, 8, 2))  # and sampled rows are batch-invariant
+
+
+def test_explicit_greedy_verify_refuses_sampled_requests(llama, tiny_dirs, tmp_path, capsys):
+    from jaxspec.generate import main
+
+    model, _ = llama
+    engine = Engine(model.params, model.config, ECFG, progress=False,
+                    spec=SpecSection(algorithm="ngram", verify="greedy"))
+    with pytest.raises(RequestError, match=r"spec.verify='greedy' ignores temperature.*temperature=0.8"):
+        engine.generate([Request([5, 6, 7], max_new_tokens=4, temperature=0.8)])
+    assert engine.generate([Request([5, 6, 7], max_new_tokens=4)])[0].output_ids  # greedy requests run
+    path, _ = tiny_dirs["llama"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n')
+    code = main(["--model", str(path), "--prompts", str(prompts), "--spec", "ngram", "--verify", "greedy",
+                 "--temperature", "0.8", "--max-new-tokens", "8", "--max-context", "128", "--set", "engine.length_buckets=16,32,64,128",
+                 "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and "spec.verify='greedy'" in err[-1]
+
+
+# ---- 4. the drafter's scratch slots are reserved --------------------------------------------------------
+
+
+DEEP_TREE = SpecSection(algorithm="standalone", draft_layers=1, topk=4, num_steps=5, num_draft_tokens=8)
+
+
+def deep_tree_run(model):
+    """A row that fills its page budget to the last slot, alone and in a batch.
+    The bucket's page table is longer than the budget, so a slot past the
+    budget maps to the null page, which every row shares."""
+    from jaxspec.speculative.standalone import truncate_layers
+
+    # The target drafts for itself, so deep tree nodes are accepted and a spoilt one shows.
+    draft = truncate_layers(model.params, model.config, model.config.num_layers)
+    ecfg = dataclasses.replace(ECFG, max_context=128, length_buckets=(16, 128))
+    engine = Engine(model.params, model.config, ecfg, progress=False, spec=DEEP_TREE, draft=draft)
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    row = Request(prompt, max_new_tokens=62 - len(prompt) - engine.reserve_tokens)
+    others = [Request([int(t) for t in np.random.default_rng(i).integers(3, 250, len(prompt))],
+                      max_new_tokens=row.max_new_tokens) for i in range(3)]
+    alone = engine.generate([row])[0]
+    batched = engine.generate(others + [row])[-1]
+    return engine, alone, batched
+
+
+def test_deep_tree_at_the_context_end_is_batch_invariant(llama):
+    model, hf = llama
+    engine, alone, batched = deep_tree_run(model)
+    assert engine.reserve_tokens == (DEEP_TREE.num_steps - 1) * DEEP_TREE.topk  # 16 > num_draft_tokens
+    assert alone.output_ids == hf_greedy(hf, alone.prompt_ids, len(alone.output_ids))
+    assert batched.output_ids == alone.output_ids
+    assert batched.accept_lengths == alone.accept_lengths
+
+
+def scratch_writes_past(model, declared: int) -> int:
+    """Draft K/V slots the deep tree writes past hist_len + `declared`.
+
+    The page table maps the declared budget to real pages and every slot past
+    it to distinct trap pages (not the shared null page), so any write past
+    the budget is visible and attributable.
+    """
+    from types import SimpleNamespace
+
+    from jaxspec.speculative.standalone import DraftState, truncate_layers
+
+    ps, hist = 4, 10
+    engine = Engine(model.params, model.config, dataclasses.replace(ECFG, page_size=ps), progress=False,
+                    spec=DEEP_TREE, draft=truncate_layers(model.params, model.config, 1))
+    budget_pages = -(-(hist + declared) // ps)
+    trap0, maxp = 1 + budget_pages, 16
+    table = jnp.asarray([list(range(1, 1 + budget_pages)) + list(range(trap0, trap0 + maxp - budget_pages))],
+                        jnp.int32)
+    c = engine.draft_cache
+    layers, _, _, kvh, hd = c.k.shape
+    shape = (layers, trap0 + maxp, ps, kvh, hd)
+    cache = type(c)(k=jnp.zeros(shape, c.k.dtype), v=jnp.zeros(shape, c.k.dtype))
+    history = jnp.zeros((1, 64), jnp.int32).at[0, :hist].set(jnp.arange(5, 5 + hist))
+    s = SimpleNamespace(history=history, hist_len=jnp.array([hist]), page_table=table, done=jnp.array([False]),
+                        sampling=None)
+    out = engine.drafter.propose(engine.draft_params, DraftState(cache=cache, draft_len=jnp.array([hist - 1])), s)
+    written = np.abs(np.asarray(out.state.cache.k[:, trap0:])).sum(axis=(0, 3, 4)) > 0  # [trap pages, ps]
+    slots = np.nonzero(written.reshape(-1))[0]
+    first_trap_slot = budget_pages * ps
+    return 0 if slots.size == 0 else int(first_trap_slot + slots.max() + 1 - (hist + declared))
+
+
+def test_standalone_tree_writes_within_its_declared_scratch(llama):
+    from jaxspec.speculative.standalone import StandaloneDrafter
+
+    model, _ = llama
+    drafter = StandaloneDrafter(model.config, DEEP_TREE.num_steps, DEEP_TREE.topk, DEEP_TREE.num_draft_tokens, False)
+    assert scratch_writes_past(model, drafter.scratch_tokens) == 0
+    # Positive control: the old reserve (num_draft_tokens) is overrun by the deep tree.
+    assert scratch_writes_past(model, DEEP_TREE.num_draft_tokens) > 0
+
+
+# ---- 5. plugins ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatDrafter:
+    """Toy plugin: drafts the root token repeated (a deterministic chain)."""
+
+    plan: object
+    scratch_tokens: int = 0
+    needs_draft_cache: bool = False
+
+    def init_state(self, draft_cache, batch):
+        return None
+
+    def prefill(self, params, state, tokens, prompt_lens, page_table):
+        return None
+
+    def propose(self, params, state, s):
+        from jaxspec.speculative.drafter import Proposal
+
+        root = jnp.take_along_axis(s.history, (s.hist_len - 1)[:, None], axis=1)
+        return Proposal(jnp.repeat(root, self.plan.num_draft_tokens, axis=1), None, None, None)
+
+
+@pytest.fixture
+def repeat_plugin():
+    name = A.register("repeat", A.AlgorithmInfo(supports_rejection_sampling=True, is_deterministic_drafter=True,
+                                                drafts_in_steps=False), lambda plan, **_: RepeatDrafter(plan))
+    yield name
+    A.unregister(name)
+
+
+def test_plugin_drafter_decodes_exactly_through_the_cli(repeat_plugin, tiny_dirs, tmp_path, capsys):
+    from jaxspec.generate import main
+
+    path, hf = tiny_dirs["llama"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 5, 5, 5]}\n{"prompt_ids": [9, 17, 33]}\n')
+    out = tmp_path / "o.jsonl"
+    code = main(["--model", str(path), "--prompts", str(prompts), "--output", str(out), "--spec", repeat_plugin,
+                 "--num-draft-tokens", "4", "--max-new-tokens", "16", "--ignore-eos", "--max-context", "128",
+                 "--set", "engine.length_buckets=16,32,64,128", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert line["output_ids"] == hf_greedy(hf, line["prompt_ids"], 16)
+        # The plugin's loop committed every token after prefill's first one.
+        assert sum(line["accept_lengths"]) >= 15
+
+
+def test_plugin_without_factory_is_a_clear_error(llama):
+    model, _ = llama
+    name = A.register("nofactory", A.AlgorithmInfo(drafts_in_steps=False))
+    try:
+        with pytest.raises(RequestError, match="'nofactory' has no drafter"):
+            Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm=name))
+    finally:
+        A.unregister(name)
+
+
+def test_plugin_factory_returning_a_non_drafter_is_a_clear_error(llama):
+    model, _ = llama
+    name = A.register("broken", A.AlgorithmInfo(drafts_in_steps=False), lambda **_: object())
+    try:
+        with pytest.raises(RequestError, match="lacks scratch_tokens, needs_draft_cache, init_state"):
+            Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm=name))
+    finally:
+        A.unregister(name)
+
+
+# ---- 6. the benchmark-only gate ---------------------------------------------------------------------
+
+
+def test_simulated_acceptance_needs_the_benchmark_flag(llama):
+    model, _ = llama
+    spec = SpecSection(algorithm="ngram", simulate_accept_length=2)
+    with pytest.raises(A.SpecConfigError, match="benchmark-only"):
+        Engine(model.params, model.config, ECFG, progress=False, spec=spec)
+    engine = Engine(model.params, model.config, ECFG, progress=False, spec=spec, benchmark=True)
+    assert engine.spec_plan.simulate_accept_length == 2
+
+
+def test_server_refuses_simulated_acceptance_at_start_up(chat_model_dir, capsys):
+    from jaxspec.serve.launch import main
+
+    code = main(["--model", str(chat_model_dir), "--simulate-accept-length", "2", "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and "benchmark-only" in err[-1]
