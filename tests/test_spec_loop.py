@@ -44,7 +44,8 @@ def spec_engine(model, page_size=16, draft=None, batch=4, **spec_kw):
         draft = draft or (model.params, model.config)
         spec_kw["draft_layers"] = draft[1].num_layers
     spec = SpecSection(**spec_kw)
-    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)
+    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft,
+                  benchmark=spec.simulate_accept_length > 0)
 
 
 def _standalone_cases():
