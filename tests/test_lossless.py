@@ -52,6 +52,7 @@ def sampled_requests(n: int, **kw) -> list[Request]:
 def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
     """The server's `--spec none` (and adaptive k = 0) is the speculative loop
     drafting nothing; at T > 0 it must emit plain decoding's tokens exactly."""
+    from jaxspec.serve.runner import plan_for_steps
     from jaxspec.speculative.drafter import build_drafter
     from jaxspec.speculative.loop import make_spec_decode_fn
 
@@ -60,7 +61,7 @@ def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
     plain = [r.output_ids for r in Engine(model.params, model.config, ECFG, progress=False).generate(reqs)]
 
     spec = Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm="ngram"))
-    k0 = dataclasses.replace(spec.spec_plan, num_draft_tokens=1, topk=1, num_steps=1)
+    k0 = plan_for_steps(spec.spec_plan, 0)  # exactly the server's k = 0 plan
     decode = jax.jit(make_spec_decode_fn(k0, spec.cfg, build_drafter(k0)))
     (idx, bucket), = spec.plan(reqs)
     spec.compile([bucket])
@@ -187,6 +188,22 @@ def test_explicit_greedy_verify_refuses_sampled_requests(llama, tiny_dirs, tmp_p
                  "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and "spec.verify='greedy'" in err[-1]
+
+
+def test_server_with_greedy_verify_refuses_sampled_requests(chat_model_dir):
+    from jaxspec.serve.protocol import APIError, GenParams
+    from jaxspec.serve.server import build_server
+    from tests.serve_util import serve_config
+
+    server = build_server(serve_config(chat_model_dir, **{"spec.verify": "greedy"}), progress=False)
+    try:
+        with pytest.raises(APIError, match="spec.verify='greedy' ignores temperature") as e:
+            server.submit([5, 6, 7], GenParams(max_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=None, n=1, stop=(),
+                                                    stream=False, include_usage=False, ignore_eos=False),
+                          0, lambda *a: None, "prompt")
+        assert e.value.param == "temperature"
+    finally:
+        server.shutdown()
 
 
 # ---- 4. the drafter's scratch slots are reserved --------------------------------------------------------
