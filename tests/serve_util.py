@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
+import threading
 import time
 
 import httpx
@@ -54,3 +57,67 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
+
+def wait_until(predicate, timeout=60.0, interval=0.02) -> bool:
+    """Poll `predicate` until it holds; the deadline only bounds a failing test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+@contextlib.contextmanager
+def hold_decode(server, timeout=120.0):
+    """Park the scheduler thread at the start of its next decode call until the block
+    exits, so a test sees requests in a known state whatever the machine's speed.
+    Yields an Event set once the scheduler is parked. (Replaces the runner's bound
+    method on the instance; the class is untouched.)"""
+    runner = server.runner
+    real = runner.decode
+    parked, release = threading.Event(), threading.Event()
+
+    def decode(*args, **kwargs):
+        parked.set()
+        release.wait(timeout)
+        return real(*args, **kwargs)
+
+    runner.decode = decode
+    try:
+        yield parked
+    finally:
+        release.set()
+        runner.__dict__.pop("decode", None)
+
+
+@contextlib.contextmanager
+def record_cancels(server):
+    """Yields the list of distinct sequences the request handlers cancel, in order. (A
+    stream's generator and its background task may both cancel the same sequence.)"""
+    sched = server.scheduler
+    real = sched.cancel
+    seen = []
+
+    def cancel(seq):
+        real(seq)
+        if not any(s is seq for s in seen):
+            seen.append(seq)
+
+    sched.cancel = cancel
+    try:
+        yield seen
+    finally:
+        sched.__dict__.pop("cancel", None)
+
+
+def post_and_keep_open(url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST over a raw socket and return it unread: closing it is the client hanging up."""
+    import httpx
+
+    u = httpx.URL(url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((u.host, u.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock

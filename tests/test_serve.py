@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import openai
 import pytest
 
 from tests.reference import compile_events
-from tests.serve_util import NUM_PAGES, client, metric, wait_for_idle
+from tests.serve_util import (NUM_PAGES, client, hold_decode, metric, post_and_keep_open, record_cancels,
+                              wait_for_idle, wait_until)
 
 @pytest.fixture(scope="module")
 def reference(served, chat_model_dir):
@@ -199,35 +199,53 @@ def test_kv_exhaustion_long_requests_all_finish_exactly(served, reference):
     assert wait_for_idle(server)
 
 
+# The disconnect tests hold the scheduler at its first decode call (hold_decode), so the
+# request is certainly still running when the client hangs up, and release it only once
+# the handler has cancelled: no step of either depends on how fast the machine is.
+
+
 def test_client_disconnect_mid_stream_frees_pages(served):
     server, url = served
+    assert wait_for_idle(server)
     aborted = metric(url, "jaxspec_requests_total", {"status": "abort"})
     body = {"model": server.model_name, "prompt": "Count: one two three", "max_tokens": 200, "stream": True,
             "temperature": 0, "ignore_eos": True}
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", url + "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    break  # got the first chunk; hang up
-            assert server.runner.engine.allocator.num_used > 0
-    assert wait_for_idle(server, timeout=10)
+    with hold_decode(server) as parked, record_cancels(server) as cancelled:
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", url + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        break  # got the first chunk (the prefill's token); hang up
+                assert parked.wait(60), "the scheduler never reached a decode call"
+                assert server.runner.engine.allocator.num_used > 0  # live, holding pages
+        assert wait_until(lambda: len(cancelled) == 1), "the hang-up did not cancel the request"
+        assert cancelled[0].finish_reason is None  # cancelled while unfinished
+    assert wait_for_idle(server, timeout=60)
+    assert cancelled[0].finish_reason == "abort"
     assert metric(url, "jaxspec_requests_total", {"status": "abort"}) == aborted + 1
 
 
 def test_non_streaming_client_disconnect_frees_pages(served):
     server, url = served
+    assert wait_for_idle(server)
     aborted = metric(url, "jaxspec_requests_total", {"status": "abort"})
-    # 16 long sequences (two waves of the 8-row batch): more than a poll interval of work.
+    # 16 long sequences: two waves of the 8-row batch, most still waiting when the client leaves.
     body = {"model": server.model_name, "prompt": "Tell me a long story", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "n": 16}
-    t0 = time.monotonic()
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=body, timeout=0.3)  # the client gives up and hangs up
-    assert wait_for_idle(server, timeout=10)
-    took = time.monotonic() - t0
-    # Cancelled, not finished: at least the second wave never ran to max_tokens.
-    assert metric(url, "jaxspec_requests_total", {"status": "abort"}) >= aborted + 8, took
+    with hold_decode(server) as parked, record_cancels(server) as cancelled:
+        sock = post_and_keep_open(url, "/v1/completions", body)
+        try:
+            assert parked.wait(60), "the scheduler never reached a decode call"
+            assert server.runner.engine.allocator.num_used > 0
+        finally:
+            sock.close()  # the client hangs up mid-request
+        assert wait_until(lambda: len(cancelled) == 16), f"{len(cancelled)} of 16 sequences cancelled"
+        assert all(s.finish_reason is None for s in cancelled)
+    assert wait_for_idle(server, timeout=60)
+    # Every one of the 16 was cancelled unfinished, so every one ends as an abort.
+    assert [s.finish_reason for s in cancelled] == ["abort"] * 16
+    assert metric(url, "jaxspec_requests_total", {"status": "abort"}) == aborted + 16
 
 
 def test_huge_top_k_is_rejected_and_others_keep_running(served):
