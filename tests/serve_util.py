@@ -113,8 +113,6 @@ def record_cancels(server):
 
 def post_and_keep_open(url: str, path: str, body: dict) -> socket.socket:
     """Send a POST over a raw socket and return it unread: closing it is the client hanging up."""
-    import httpx
-
     u = httpx.URL(url)
     data = json.dumps(body).encode()
     sock = socket.create_connection((u.host, u.port))
