@@ -48,7 +48,7 @@ the 3-gram match at q = 3 proposes one token, not the 1-gram's three.
 WHY A CAP PER MATCH LENGTH. A verify forward costs the same for up to 4
 nodes as for 1 on CPU (the weights are read once either way) and more from
 there on (1.10x at 8, 1.62x at 16), and the loop verifies at the narrowest
-width holding the draft (`spec.loop.verify_widths`). A 1-gram match is weak
+width holding the draft (`speculative.loop.verify_widths`). A 1-gram match is weak
 evidence: its drafts are mostly rejected. Capping it at 3 tokens keeps such
 steps at the free width while a longer match still drafts the whole chain,
 so min_match = 1 adds the accepted drafts of 1-gram matches without paying
