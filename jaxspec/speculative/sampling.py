@@ -58,9 +58,12 @@ def step_key(seed: Int[Array, ""], index: Int[Array, ""]) -> jax.Array:
     least one token, so the indices of successive steps strictly increase and no
     two steps of a sequence ever share noise: each step's coins and race are
     independent of everything that decided the tokens before it, which is what
-    makes the whole loop (not only one verify) lossless. A verify step that
-    accepts no draft uses the same (seed, index) race as a plain decode step at
-    that index, so it emits exactly the token plain decoding would.
+    makes the whole loop (not only one verify) lossless. A verify step with
+    no drafts (k = 0, the server's plain mode) races the same (seed, index)
+    noise over the same distribution as a plain decode step at that index, so
+    it emits exactly the token plain decoding would (tested). With drafts, a
+    rejection draws from the residual instead: same distribution overall, not
+    the same token.
     """
     key = jax.random.key(jnp.asarray(seed).astype(jnp.uint32))
     return jax.random.fold_in(key, jnp.asarray(index).astype(jnp.uint32))
