@@ -262,10 +262,15 @@ def test_body_shorter_than_its_content_length_gets_408_and_a_closed_connection(i
 @pytest.mark.parametrize("framing", [b"Content-Length: abc\r\n\r\n{}", b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
                                      b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"])
 def test_malformed_framing_gets_400_and_the_server_keeps_serving(served, framing):
-    """uvicorn's HTTP parser (h11) refuses these before the app sees a request, so the
-    400 body is uvicorn's plain text, not an OpenAI error; what matters: no hang, no 500."""
+    """uvicorn's HTTP parser (h11) refuses these before the app sees a request;
+    jaxspec.serve.http makes that 400 carry the same JSON error body as every
+    other refusal. And no hang, no 500: the server keeps serving."""
     server, url = served
     reply = raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + framing)
     assert reply.startswith(b"HTTP/1.1 400")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["message"].startswith("malformed HTTP request")
     r = send(url, "/v1/completions", OK_COMPLETION, {})
     assert r.status_code == 200 and wait_for_idle(server)

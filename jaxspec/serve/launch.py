@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from jaxspec.serve.http import http_protocol
+
 SERVE_FLAG_KEYS = {
     "host": "serve.host",
     "port": "serve.port",
@@ -84,7 +86,7 @@ class ServerThread:
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                     timeout_graceful_shutdown=5))
+                                                     timeout_graceful_shutdown=5, http=http_protocol()))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 
     def start(self) -> "ServerThread":
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=run, name="warm-up", daemon=True).start()
 
     try:
-        uvicorn.run(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5,
+                    http=http_protocol())
     finally:
         server.shutdown()
         if leader is not None:
