@@ -91,10 +91,11 @@ int jaxspec_read_bandwidth(int64_t num_bytes, int32_t threads, int32_t passes, i
   const int64_t slice = (num_bytes / threads) / kBlock * kBlock;
   if (slice <= 0) return -1;
   const int64_t total = slice * threads;
-  // 2 MiB aligned and, on Linux, advised onto transparent huge pages: with 4 KiB
-  // pages the prefetchers stop at every page boundary and the TLB misses on every
-  // page, which cost about half the 2-thread bandwidth on the 2-core EPYC this was
-  // written on (numpy advises its large arrays the same way).
+  // 2 MiB aligned and, on Linux, advised onto transparent huge pages (as numpy
+  // advises its large arrays), to keep TLB misses out of the figure. On the 2-core
+  // EPYC this was written on it made no measurable difference (81-87 GB/s either
+  // way); the figure there is bimodal (~85 or ~50 GB/s) from run to run, which
+  // is why the caller takes the best of several spaced rounds.
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t alloc = (static_cast<size_t>(total) + kHuge - 1) / kHuge * kHuge;
   float* buf = static_cast<float*>(std::aligned_alloc(kHuge, alloc));

@@ -5,7 +5,8 @@ peak: numpy sums on one thread (~24 GB/s on the 2-core EPYC), and whether XLA
 splits its reduce across threads varies from run to run (47-76 GB/s), while
 llama.cpp's F32 decode alone streams ~59 GB/s. This sums a buffer 16x the
 last-level cache on every core at once, from transparent huge pages, best of N
-passes (~85-89 GB/s there when the machine was quiet). The kernel is plain C++
+passes (81-89 GB/s there when the machine was quiet, though some runs
+read ~50: the caller takes the best of a few rounds spaced apart). The kernel is plain C++
 loaded with ctypes, compiled on first use like the XLA kernels (build.py) into
 its own small library, so it works whether or not those kernels build.
 """
@@ -134,8 +135,7 @@ def available(cache_dir=None) -> bool:
 def read_bandwidth(num_bytes: int | None = None, passes: int = 10, threads: int | None = None,
                    huge_pages: bool = True, cache_dir=None) -> ReadBandwidth:
     """Run the kernel: `passes` streaming sums of ~`num_bytes` on `threads` threads, the
-    buffer advised onto transparent huge pages unless `huge_pages` is False (4 KiB pages
-    read about half as fast on 2 cores here: the peak wants huge pages)."""
+    buffer advised onto transparent huge pages unless `huge_pages` is False."""
     num_bytes = default_num_bytes() if num_bytes is None else int(num_bytes)
     threads = default_threads() if threads is None else int(threads)
     fn = _load(cache_dir)
