@@ -18,12 +18,10 @@ import dataclasses
 import hashlib
 import os
 import platform
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
-from jaxspec.native.build import NativeKernelError, _compiler, _cpu_signature
+from jaxspec.native.build import NativeKernelError, _cpu_signature, compile_library
 
 SOURCE = Path(__file__).parent / "bandwidth.cc"
 MIN_BYTES, MAX_BYTES = 256 << 20, 1 << 30
@@ -72,7 +70,7 @@ def default_threads() -> int:
 
 
 def library_path(cache_dir: str | Path | None = None) -> Path:
-    from jaxspec.models.loading import cache_root
+    from jaxspec.paths import cache_root
 
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), platform.machine().encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
@@ -81,29 +79,7 @@ def library_path(cache_dir: str | Path | None = None) -> Path:
 
 def build(cache_dir: str | Path | None = None) -> Path:
     """Compile bandwidth.cc once per (source, CPU); raises NativeKernelError."""
-    lib = library_path(cache_dir)
-    if lib.is_file():
-        return lib
-    cxx = _compiler()
-    if cxx is None:
-        raise NativeKernelError("no C++ compiler found (set $CXX or install g++) to build the bandwidth kernel")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w", str(SOURCE), "-o", tmp]
-    try:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise NativeKernelError(f"building the bandwidth kernel failed ({' '.join(cmd)}): {e}") from None
-        if proc.returncode != 0:
-            raise NativeKernelError(f"building the bandwidth kernel failed ({' '.join(cmd)}): "
-                                    f"{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return compile_library(library_path(cache_dir), [SOURCE], ["-pthread"], "the bandwidth kernel", timeout=300)
 
 
 _lock = threading.Lock()

@@ -64,33 +64,39 @@ def library_path(cache_dir: str | Path | None = None) -> Path:
     return cache_root(cache_dir) / "native" / key / "libjaxspec_native.so"
 
 
-def build(cache_dir: str | Path | None = None) -> Path:
-    """Compile the kernel library once per (sources, jax, CPU); returns its path."""
-    lib = library_path(cache_dir)
+def compile_library(lib: Path, sources, flags, what: str, timeout: int = 600) -> Path:
+    """Compile `sources` into the shared library `lib` unless it exists; returns `lib`.
+
+    Built beside the target and renamed, so concurrent processes never load a
+    half-written file. Raises NativeKernelError naming `what` and the command.
+    """
     if lib.is_file():
         return lib
     cxx = _compiler()
     if cxx is None:
-        raise NativeKernelError("no C++ compiler found (set $CXX or install g++) to build the native CPU kernels")
+        raise NativeKernelError(f"no C++ compiler found (set $CXX or install g++) to build {what}")
     lib.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", *flags, *map(str, sources),
+           "-o", tmp]
     try:
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise NativeKernelError(f"building the native CPU kernels failed ({' '.join(cmd)}): {e}") from None
+            raise NativeKernelError(f"building {what} failed ({' '.join(cmd)}): {e}") from None
         if proc.returncode != 0:
-            raise NativeKernelError(f"building the native CPU kernels failed ({' '.join(cmd)}): "
-                                    f"{proc.stderr.strip()[-2000:]}")
+            raise NativeKernelError(f"building {what} failed ({' '.join(cmd)}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def build(cache_dir: str | Path | None = None) -> Path:
+    """Compile the kernel library once per (sources, jax, CPU); returns its path."""
+    return compile_library(library_path(cache_dir), SOURCES, [f"-I{jax.ffi.include_dir()}"], "the native CPU kernels")
 
 
 _lock = threading.Lock()
