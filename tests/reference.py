@@ -63,3 +63,32 @@ def compile_events(fn) -> list[str]:
         jax.monitoring.unregister_event_duration_listener(listener)
     return seen
 
+
+
+def chi_square_pvalue(counts, probs) -> float:
+    """Pearson chi-square of counts against probs, cells with expected count < 5 pooled."""
+    from scipy import stats
+
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    assert counts[probs == 0].sum() == 0, "a zero-probability token was sampled"
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def hf_first_two_marginals(model, prompt_ids: list[int]):
+    """f(t) -> (p(token 1), p(token 2)) at temperature t: HF logits after the prompt and after
+    every possible first token, so the second token's marginal is exact."""
+    import torch
+
+    with torch.no_grad():
+        first = model(torch.tensor([prompt_ids])).logits[0, -1].double().numpy()
+        vocab = first.shape[-1]
+        second = model(torch.tensor([prompt_ids + [v] for v in range(vocab)])).logits[:, -1].double().numpy()
+
+    def softmax(x, t):
+        z = np.exp((x - x.max(-1, keepdims=True)) / t)
+        return z / z.sum(-1, keepdims=True)
+
+    return lambda t: (softmax(first, t), softmax(first, t) @ softmax(second, t))

@@ -13,7 +13,7 @@ import pytest
 from jaxspec.config import EngineSection
 from jaxspec.engine import Engine, Request, RequestError
 from jaxspec.models.loading import load_model
-from tests.reference import assert_greedy_equal, compile_events, hf_greedy
+from tests.reference import assert_greedy_equal, chi_square_pvalue, compile_events, hf_first_two_marginals, hf_greedy
 
 PROMPTS = [[5, 17, 33, 9, 100, 42, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [99]]
 
@@ -57,24 +57,11 @@ def test_seeded_sampling_is_batch_independent_and_reproducible(tiny_dirs):
     assert alone == with_others
 
 
-def _chi_square_pvalue(counts, probs):
-    """Pearson chi-square of counts against probs, cells with expected count < 5 pooled."""
-    from scipy import stats
-
-    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
-    assert counts[probs == 0].sum() == 0, "a zero-probability token was sampled"
-    expected = probs / probs.sum() * counts.sum()
-    big = expected >= 5
-    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 def test_sampled_tokens_follow_the_hf_model_distribution(tiny_dirs):
     """4096 requests with seeds 0..4095: the first token (prefill) and the second
     (a decode step) follow softmax(HF logits / T), computed in torch/numpy. The
     same samples reject the distribution at another temperature, so the test has
     the power to see a sampler that ignores or misapplies the temperature."""
-    import torch
 
     path, hf = tiny_dirs["qwen2"]
     engine = make_engine(path, max_batch_size=64)
@@ -86,22 +73,16 @@ def test_sampled_tokens_follow_the_hf_model_distribution(tiny_dirs):
         out += [r.output_ids for r in res]
     out = np.asarray(out)
     assert out.shape == (n, 2) and ((out >= 0) & (out < 256)).all()
-    with torch.no_grad():
-        first = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
-        # Every possible first token, so the second token's marginal is exact.
-        second = hf(torch.tensor([prompt + [v] for v in range(256)])).logits[:, -1].double().numpy()
-
-    def softmax(x, t):
-        z = np.exp((x - x.max(-1, keepdims=True)) / t)
-        return z / z.sum(-1, keepdims=True)
-
+    marginals = hf_first_two_marginals(hf, prompt)
     alpha = 1e-3
     c1, c2 = (np.bincount(out[:, i], minlength=256) for i in range(2))
-    assert _chi_square_pvalue(c1, softmax(first, temp)) > alpha
-    assert _chi_square_pvalue(c2, softmax(first, temp) @ softmax(second, temp)) > alpha
+    p1, p2 = marginals(temp)
+    assert chi_square_pvalue(c1, p1) > alpha
+    assert chi_square_pvalue(c2, p2) > alpha
     for wrong in (1.0, 0.6):  # positive controls on the same samples
-        assert _chi_square_pvalue(c1, softmax(first, wrong)) < alpha, wrong
-        assert _chi_square_pvalue(c2, softmax(first, wrong) @ softmax(second, wrong)) < alpha, wrong
+        w1, w2 = marginals(wrong)
+        assert chi_square_pvalue(c1, w1) < alpha, wrong
+        assert chi_square_pvalue(c2, w2) < alpha, wrong
 
 
 def test_stop_token_ends_sequence_and_is_last(tiny_dirs):

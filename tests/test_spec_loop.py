@@ -23,7 +23,7 @@ from jaxspec.models.llama import forward
 from jaxspec.models.loading import load_model
 from jaxspec.speculative.loop import spec_iteration
 from jaxspec.speculative.standalone import truncate_layers
-from tests.reference import assert_greedy_equal, hf_greedy
+from tests.reference import assert_greedy_equal, chi_square_pvalue, hf_first_two_marginals, hf_greedy
 
 PROMPTS = [[5, 17, 33, 9, 100, 42, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [99]]
 NEW = 28
@@ -130,25 +130,12 @@ def test_sampling_verifiers_are_seeded_and_exact_for_greedy_requests(llama, veri
     assert_greedy_equal(hf, PROMPTS[1], mixed[0].output_ids, refs[1])
 
 
-def _chi_square_pvalue(counts, probs):
-    """Pearson chi-square of counts against probs, cells with expected count < 5 pooled."""
-    from scipy import stats
-
-    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
-    assert counts[probs == 0].sum() == 0, "a zero-probability token was sampled"
-    expected = probs / probs.sum() * counts.sum()
-    big = expected >= 5
-    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 def test_tree_rejection_sampling_follows_the_target_with_deterministic_tree_drafts(llama):
     """Sampled rows (temperature > 0) run verify_rejection on top-k tree drafts
     (an all-greedy batch takes the greedy rule and never would). 4096 seeded
     requests: the second token, the first one a verify step emits (an accepted
     draft or a residual sample), follows the marginal computed from Hugging Face
     logits of every prefix; the same samples reject two other temperatures."""
-    import torch
 
     model, hf, refs = llama
     draft = truncate_layers(model.params, model.config, 1)  # disagrees often: rejections and residuals
@@ -179,20 +166,14 @@ def test_tree_rejection_sampling_follows_the_target_with_deterministic_tree_draf
     assert [(r.output_ids, r.accept_lengths) for r in again[1:]] == \
         [(r.output_ids, r.accept_lengths) for r in results[: batch - 1]]
 
-    with torch.no_grad():
-        first = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
-        second = hf(torch.tensor([prompt + [v] for v in range(256)])).logits[:, -1].double().numpy()
-
-    def softmax(x, t):
-        z = np.exp((x - x.max(-1, keepdims=True)) / t)
-        return z / z.sum(-1, keepdims=True)
-
+    marginals = hf_first_two_marginals(hf, prompt)
     alpha = 1e-3
     c1, c2 = (np.bincount(out[:, i], minlength=256) for i in range(2))
-    assert _chi_square_pvalue(c1, softmax(first, temp)) > alpha
-    assert _chi_square_pvalue(c2, softmax(first, temp) @ softmax(second, temp)) > alpha
+    p1, p2 = marginals(temp)
+    assert chi_square_pvalue(c1, p1) > alpha
+    assert chi_square_pvalue(c2, p2) > alpha
     for wrong in (1.0, 0.5):  # positive controls on the same samples
-        assert _chi_square_pvalue(c2, softmax(first, wrong) @ softmax(second, wrong)) < alpha, wrong
+        assert chi_square_pvalue(c2, marginals(wrong)[1]) < alpha, wrong
 
 
 # (topk, num_draft_tokens, page_size): a chain, trees with page size > 1 and 1.
