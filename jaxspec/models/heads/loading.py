@@ -1,0 +1,264 @@
+"""Load draft heads from safetensors (numpy; no torch) into the HF-layout params of each head module.
+
+`load_draft_head` reads a head directory (EAGLE, EAGLE-3, Medusa, MLP speculator);
+`load_mtp_head` reads the MTP layers stored inside a target checkpoint. Every mismatch is a
+one-line ConfigError / LoadError naming both sides, or the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.config import ConfigError, LoadError, ModelConfig
+from jaxspec.models.heads.config import HeadConfig, parse_head_config
+from jaxspec.models.loading import checkpoint_files
+
+# Our layer key -> HF name inside a decoder layer (jaxspec.models.config.HF_LAYER_KEYS minus
+# the input norm, which each kind names differently).
+_LAYER = {
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+}
+
+
+@dataclasses.dataclass
+class LoadedHead:
+    config: HeadConfig
+    params: dict  # HF layout; prepare_head_params makes the runtime layout
+    path: Path
+
+
+class _Tensors:
+    """Name -> file over one or more safetensors files, read lazily with shape checks."""
+
+    def __init__(self, files: dict[str, Path], where: Path, dtype: Any):
+        self.files, self.where, self.dtype = files, where, np.dtype(dtype)
+        self._handles: dict[Path, Any] = {}
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def raw(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise LoadError(f"draft head checkpoint {self.where} is missing tensor {name!r}")
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="numpy")
+        got = tuple(self._handles[file].get_slice(name).get_shape())
+        if shape is not None and got != tuple(shape):
+            raise LoadError(f"tensor {name!r} in {self.where} has shape {list(got)}, the head expects {list(shape)}"
+                            " (draft head and target disagree)")
+        return self._handles[file].get_tensor(name)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> jnp.ndarray:
+        return jnp.asarray(self.raw(name, shape).astype(self.dtype, copy=False))
+
+
+def _head_files(path: Path) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="numpy") as h:
+            for name in h.keys():
+                files.setdefault(name, f)
+    if not files:
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {other}: convert them to safetensors; torch files are not read)" if other else ""
+        raise LoadError(f"no *.safetensors files in draft head directory {path}{hint}")
+    return files
+
+
+def _strip_prefix(files: dict[str, Path], prefix: str) -> dict[str, Path]:
+    # Some exporters write "model." before everything but lm_head; names are matched bare.
+    body = [n for n in files if not n.startswith("lm_head")]
+    if body and all(n.startswith(prefix) for n in body):
+        return {(n[len(prefix):] if n.startswith(prefix) else n): f for n, f in files.items()}
+    return files
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json in draft head directory {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+
+
+def _layer_shapes(c: ModelConfig, w_in: int) -> dict[str, tuple[int, ...]]:
+    d, i, q, kv, hd = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.head_dim
+    return {"wq": (q, w_in), "wk": (kv, w_in), "wv": (kv, w_in), "wo": (d, q), "bq": (q,), "bk": (kv,),
+            "bv": (kv,), "q_norm": (hd,), "k_norm": (hd,), "mlp_norm": (d,), "w_gate": (i, d), "w_up": (i, d),
+            "w_down": (d, i)}
+
+
+def _read_layer(t: _Tensors, prefix: str, c: ModelConfig, w_in: int) -> dict:
+    keys = ["wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    keys += ["bq", "bk", "bv"] if c.qkv_bias else []
+    keys += ["q_norm", "k_norm"] if c.qk_norm else []
+    shapes = _layer_shapes(c, w_in)
+    return {k: t.get(prefix + _LAYER[k], shapes[k]) for k in keys}
+
+
+def _check_embed(t: _Tensors, name: str, hcfg: HeadConfig, target: ModelConfig, params: dict) -> HeadConfig:
+    """An own embedding if the checkpoint has one; otherwise the target's, whose width must fit."""
+    h = hcfg.layer.hidden_size
+    if name in t:
+        params["embed"] = t.get(name, (target.vocab_size, h))
+        return dataclasses.replace(hcfg, own_embed=True)
+    if h != target.hidden_size:
+        raise LoadError(f"draft head hidden_size {h} != target hidden_size {target.hidden_size} and the head has "
+                        f"no {name!r} of its own to embed tokens with")
+    return hcfg
+
+
+def _load_eagle(t: _Tensors, cfg_json: dict, hcfg: HeadConfig, target: ModelConfig) -> tuple[HeadConfig, dict]:
+    c, h = hcfg.layer, hcfg.layer.hidden_size
+    params = {"fc": t.get("fc.weight", (h, 2 * h))}
+    if "fc.bias" in t:
+        params["fc_bias"] = t.get("fc.bias", (h,))
+    elif cfg_json.get("bias") is True:
+        t.raw("fc.bias")  # config says bias: a missing tensor is an error, not a silent zero
+    hcfg = dataclasses.replace(hcfg, fc_bias="fc_bias" in params)
+    params.update(_read_layer(t, "layers.0.", c, h))
+    if "layers.0.input_layernorm.weight" in t:
+        raise LoadError("EAGLE-1 head has layers.0.input_layernorm.weight, which its layer 0 does not use "
+                        "(cnets1.py skips it): not an EAGLE-1 checkpoint?")
+    return _check_embed(t, "embed_tokens.weight", hcfg, target, params), params
+
+
+def _load_eagle3(t: _Tensors, hcfg: HeadConfig, target: ModelConfig) -> tuple[HeadConfig, dict]:
+    c, h, dv, v = hcfg.layer, hcfg.layer.hidden_size, hcfg.draft_vocab_size, target.vocab_size
+    pre = "midlayer." if "midlayer.self_attn.q_proj.weight" in t else "layers.0."
+    params = {
+        "fc": t.get("fc.weight", (h, hcfg.feature_width)),
+        "enorm": t.get(pre + "input_layernorm.weight", (h,)),
+        "hnorm": t.get(pre + "hidden_norm.weight", (h,)),
+        "norm": t.get("norm.weight", (h,)),
+        "lm_head": t.get("lm_head.weight", (dv, h)),
+    }
+    params.update(_read_layer(t, pre, c, 2 * h))
+    if "d2t" in t:
+        d2t = t.raw("d2t", (dv,)).astype(np.int64)
+        ids = np.arange(dv) + d2t
+        bad = np.flatnonzero((ids < 0) | (ids >= v))
+        if bad.size:
+            raise LoadError(f"EAGLE-3 d2t maps draft ids {bad[:4].tolist()} to target ids {ids[bad[:4]].tolist()} "
+                            f"outside the target vocabulary [0, {v})")
+        params["d2t"] = jnp.asarray(d2t.astype(np.int32))
+    elif dv != v:
+        t.raw("d2t")  # a reduced vocabulary without its map cannot be used
+    if "t2d" in t:
+        params["t2d"] = jnp.asarray(t.raw("t2d", (v,)).astype(bool))
+    return _check_embed(t, "embed_tokens.weight", hcfg, target, params), params
+
+
+def load_draft_head(path, target_cfg: ModelConfig, *, aux_layer_convention: str = "output",
+                    dtype=jnp.float32) -> LoadedHead:
+    path = Path(path)
+    cfg_json = _read_config(path)
+    hcfg = parse_head_config(cfg_json, target_cfg, aux_layer_convention=aux_layer_convention)
+    if hcfg.kind in ("mtp_deepseek", "mtp_mimo"):
+        raise ConfigError(f"{path} is a target with MTP layers: load it with load_mtp_head")
+    t = _Tensors(_strip_prefix(_head_files(path), "model."), path, dtype)
+    if hcfg.kind == "eagle":
+        hcfg, params = _load_eagle(t, cfg_json, hcfg, target_cfg)
+    elif hcfg.kind == "eagle3":
+        hcfg, params = _load_eagle3(t, hcfg, target_cfg)
+    elif hcfg.kind == "medusa":
+        from jaxspec.models.heads.medusa import read_medusa
+
+        t.files = _strip_prefix(t.files, "medusa_heads.")
+        hcfg, params = read_medusa(t, cfg_json, hcfg)
+    else:
+        from jaxspec.models.heads.mlp_speculator import read_mlp_speculator
+
+        t.files = _strip_prefix(t.files, "speculator.")
+        params = read_mlp_speculator(t, hcfg)
+    return LoadedHead(config=hcfg, params=params, path=path)
+
+
+# --------------------------------------------------------------------------- #
+# MTP layers inside a target checkpoint
+# --------------------------------------------------------------------------- #
+
+_MIMO = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+
+
+def _mtp_names(target_dir: Path, target_cfg: ModelConfig | None = None) -> tuple[str | None, dict[str, Path]]:
+    files = checkpoint_files(target_dir)
+    if any(_MIMO.match(n) for n in files):
+        return "mtp_mimo", files
+    L = target_cfg.num_layers if target_cfg is not None else _num_layers(target_dir)
+    if f"model.layers.{L}.eh_proj.weight" in files:
+        return "mtp_deepseek", files
+    return None, files
+
+
+def _num_layers(target_dir: Path) -> int:
+    return int(json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"])
+
+
+def is_mtp_target(target_dir) -> bool:
+    try:
+        return _mtp_names(Path(target_dir))[0] is not None
+    except (LoadError, OSError, KeyError, ValueError):
+        return False
+
+
+def load_mtp_head(target_dir, target_cfg: ModelConfig, *, layer: int = 0, dtype=jnp.float32) -> LoadedHead:
+    """MTP layer `layer` of a target checkpoint (DeepSeek-style or MiMo), Llama/Qwen2 blocks, no MoE."""
+    target_dir = Path(target_dir)
+    kind, files = _mtp_names(target_dir, target_cfg)
+    if kind is None:
+        raise LoadError(f"{target_dir} has no MTP layers: neither model.layers.{target_cfg.num_layers}.eh_proj "
+                        "(DeepSeek) nor model.mtp_layers.N.* (MiMo) tensors")
+    c = dataclasses.replace(target_cfg, num_layers=1)
+    hcfg = HeadConfig(kind=kind, layer=c, target_hidden_size=c.hidden_size, draft_vocab_size=c.vocab_size,
+                      mtp_layer=layer)
+    t = _Tensors(files, target_dir, dtype)
+    h = c.hidden_size
+    if kind == "mtp_deepseek":
+        pre = f"model.layers.{target_cfg.num_layers + layer}."
+        if pre + "eh_proj.weight" not in t:
+            raise LoadError(f"{target_dir} has no DeepSeek MTP layer {layer} (no {pre}eh_proj.weight)")
+        if any(n.startswith(pre + "mlp.experts.") for n in t.names):
+            raise LoadError(f"{target_dir}: MTP layer {layer} is a MoE block, which is not supported")
+        names = {"fc": "eh_proj.weight", "enorm": "enorm.weight", "hnorm": "hnorm.weight",
+                 "norm": "shared_head.norm.weight"}
+        head_name, embed_name = pre + "shared_head.head.weight", pre + "embed_tokens.weight"
+    else:
+        pre = f"model.mtp_layers.{layer}."
+        if pre + "input_proj.weight" not in t:
+            raise LoadError(f"{target_dir} has no MiMo MTP layer {layer} (no {pre}input_proj.weight)")
+        names = {"fc": "input_proj.weight", "enorm": "token_layernorm.weight", "hnorm": "hidden_layernorm.weight",
+                 "norm": "final_layernorm.weight"}
+        head_name = embed_name = None  # MiMo uses the target's embedding and LM head (vllm mimo_mtp.py)
+    shapes = {"fc": (h, 2 * h), "enorm": (h,), "hnorm": (h,), "norm": (h,)}
+    params = {k: t.get(pre + n, shapes[k]) for k, n in names.items()}
+    params["attn_norm"] = t.get(pre + "input_layernorm.weight", (h,))
+    params.update(_read_layer(t, pre, c, h))
+    if head_name and head_name in t:
+        params["lm_head"] = t.get(head_name, (c.vocab_size, h))
+        hcfg = dataclasses.replace(hcfg, own_head=True)
+    if embed_name and embed_name in t:
+        params["embed"] = t.get(embed_name, (c.vocab_size, h))
+        hcfg = dataclasses.replace(hcfg, own_embed=True)
+    return LoadedHead(config=hcfg, params=params, path=target_dir)
