@@ -1,0 +1,212 @@
+"""Writers of small draft-head checkpoints in each published layout (tensor by tensor, numpy).
+
+`target` is a transformers model or a jaxspec ModelConfig. Weights are random, scaled so each
+projection keeps activations O(1) and the LM heads give sharp (not near-uniform) logits, as
+tests/conftest.py's make_tiny_hf does for targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+
+@dataclasses.dataclass(frozen=True)
+class Geom:
+    hidden: int
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    theta: float
+    qkv_bias: bool
+
+
+def geom(target) -> Geom:
+    if hasattr(target, "config") and not hasattr(target, "hidden_size"):  # a transformers model
+        c = target.config
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0)
+        return Geom(c.hidden_size, c.vocab_size, c.num_hidden_layers, c.num_attention_heads,
+                    c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                    c.intermediate_size, c.rms_norm_eps, float(theta),
+                    c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False)))
+    t = target
+    return Geom(t.hidden_size, t.vocab_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim,
+                t.intermediate_size, t.rms_norm_eps, t.rope_theta, t.qkv_bias)
+
+
+class _Rand:
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def mat(self, out: int, inp: int, scale: float = 1.0) -> np.ndarray:
+        return (self.rng.standard_normal((out, inp)) * scale / np.sqrt(inp)).astype(np.float32)
+
+    def norm(self, n: int) -> np.ndarray:
+        return (1.0 + 0.2 * self.rng.standard_normal(n)).astype(np.float32)
+
+    def vec(self, n: int, scale: float = 0.1) -> np.ndarray:
+        return (scale * self.rng.standard_normal(n)).astype(np.float32)
+
+
+def _layer(r: _Rand, g: Geom, prefix: str, w_in: int, *, input_norm: str | None, qkv_bias: bool) -> dict:
+    q, kv = g.heads * g.head_dim, g.kv_heads * g.head_dim
+    t = {
+        f"{prefix}self_attn.q_proj.weight": r.mat(q, w_in), f"{prefix}self_attn.k_proj.weight": r.mat(kv, w_in),
+        f"{prefix}self_attn.v_proj.weight": r.mat(kv, w_in), f"{prefix}self_attn.o_proj.weight": r.mat(g.hidden, q),
+        f"{prefix}post_attention_layernorm.weight": r.norm(g.hidden),
+        f"{prefix}mlp.gate_proj.weight": r.mat(g.inter, g.hidden), f"{prefix}mlp.up_proj.weight": r.mat(g.inter, g.hidden),
+        f"{prefix}mlp.down_proj.weight": r.mat(g.hidden, g.inter),
+    }
+    if qkv_bias:
+        for n, size in (("q", q), ("k", kv), ("v", kv)):
+            t[f"{prefix}self_attn.{n}_proj.bias"] = r.vec(size)
+    if input_norm:
+        t[prefix + input_norm] = r.norm(g.hidden)
+    return t
+
+
+def _llama_config(g: Geom, **extra) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": g.hidden,
+        "intermediate_size": g.inter, "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
+        "head_dim": g.head_dim, "num_hidden_layers": 1, "vocab_size": g.vocab, "rms_norm_eps": g.eps,
+        # A theta unlike the target's: the head must use its own RoPE settings.
+        "rope_theta": 5000.0, "hidden_act": "silu", "max_position_embeddings": 512, **extra,
+    }
+
+
+def _write(d: Path, config: dict, tensors: dict, file: str = "model.safetensors") -> Path:
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / file), metadata={"format": "pt"})
+    return d
+
+
+def write_eagle_head(d, target, *, seed=0, bias=True, with_embed=False) -> Path:
+    """EAGLE-1 (SafeAILab cnets1.py): fc [H, 2H] (+bias), layers.0.* without input_layernorm."""
+    g, r = geom(target), _Rand(seed)
+    t = {"fc.weight": r.mat(g.hidden, 2 * g.hidden)}
+    if bias:
+        t["fc.bias"] = r.vec(g.hidden)
+    t.update(_layer(r, g, "layers.0.", g.hidden, input_norm=None, qkv_bias=False))
+    if with_embed:
+        t["embed_tokens.weight"] = r.mat(g.vocab, g.hidden, np.sqrt(g.hidden))
+    return _write(d, _llama_config(g, bias=bias), t)
+
+
+def write_eagle3_head(d, target, *, seed=0, draft_vocab_size=64, layer_ids=None, convention="output",
+                      with_embed=False) -> Path:
+    """EAGLE-3 (SpecForge llama3_eagle.py): midlayer.* with 2H-wide q/k/v, fc [H, 3H], norm, lm_head, d2t, t2d.
+
+    `layer_ids` are the "state entering layer k" ids the test wants; they are WRITTEN in
+    `convention` ("output": k - 1, as SpecForge does; "input": k, as vLLM reads them).
+    None leaves eagle_aux_hidden_state_layer_ids out (the default [2, L//2, L-3] applies).
+    """
+    g, r = geom(target), _Rand(seed)
+    h = g.hidden
+    used = np.sort(r.rng.choice(g.vocab, draft_vocab_size, replace=False))
+    t = {
+        "fc.weight": r.mat(h, 3 * h),
+        "midlayer.input_layernorm.weight": r.norm(h), "midlayer.hidden_norm.weight": r.norm(h),
+        "norm.weight": r.norm(h), "lm_head.weight": r.mat(draft_vocab_size, h, 8.0),
+        "d2t": (used - np.arange(draft_vocab_size)).astype(np.int64),
+        "t2d": np.isin(np.arange(g.vocab), used),
+    }
+    t.update(_layer(r, g, "midlayer.", 2 * h, input_norm=None, qkv_bias=False))
+    if with_embed:
+        t["embed_tokens.weight"] = r.mat(g.vocab, h, np.sqrt(h))
+    cfg = _llama_config(g, draft_vocab_size=draft_vocab_size, target_hidden_size=h)
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    if layer_ids is not None:
+        written = [k - 1 for k in layer_ids] if convention == "output" else list(layer_ids)
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": written, "use_aux_hidden_state": True}
+    return _write(d, cfg, t)
+
+
+def write_medusa_head(d, target, *, num_heads=3, num_layers=1, version="1", layout="medusa", seed=0) -> Path:
+    """Medusa: FasterDecoding's medusa_lm_head.safetensors, or vLLM's blocks/lm_heads layout (same values)."""
+    g, r = geom(target), _Rand(seed)
+    blocks = [[(r.mat(g.hidden, g.hidden, 0.5), r.vec(g.hidden)) for _ in range(num_layers)] for _ in range(num_heads)]
+    heads = [r.mat(g.vocab, g.hidden, 8.0) for _ in range(num_heads)]
+    t = {}
+    if layout == "medusa":
+        for i in range(num_heads):
+            for j, (w, b) in enumerate(blocks[i]):
+                t[f"{i}.{j}.linear.weight"], t[f"{i}.{j}.linear.bias"] = w, b
+            if version != "2":
+                t[f"{i}.{num_layers}.weight"] = heads[i]
+        cfg = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "version": version,
+               "base_model_name_or_path": "tiny-target"}
+        return _write(d, cfg, t, "medusa_lm_head.safetensors")
+    if layout != "vllm" or version == "2":
+        raise ValueError(f"layout {layout!r} with version {version!r} has no published form")
+    for i in range(num_heads):
+        for j, (w, b) in enumerate(blocks[i]):
+            t[f"blocks.{i}.layers.{j}.weight"], t[f"blocks.{i}.layers.{j}.bias"] = w, b
+        t[f"lm_heads.{i}.weight"] = heads[i]
+    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": g.hidden,
+           "vocab_size": g.vocab, "num_heads": num_heads, "num_hidden_layers": num_layers, "medusa_fc_bias": True}
+    return _write(d, cfg, t)
+
+
+def write_mlp_speculator(d, target, *, n_predict=3, inner_dim=96, seed=0, scale_input=True) -> Path:
+    """IBM MLP speculator (vLLM mlp_speculator.py): emb.i, proj.i, head.i, ln.i.{weight,bias}; ln0 has no tensors."""
+    g, r = geom(target), _Rand(seed)
+    t = {}
+    for i in range(n_predict):
+        t[f"emb.{i}.weight"] = r.mat(g.vocab, inner_dim, np.sqrt(inner_dim))
+        t[f"proj.{i}.weight"] = r.mat(inner_dim, g.hidden if i == 0 else inner_dim)
+        t[f"head.{i}.weight"] = r.mat(g.vocab, inner_dim, 8.0)
+        t[f"ln.{i}.weight"], t[f"ln.{i}.bias"] = r.norm(inner_dim), r.vec(inner_dim)
+    cfg = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
+           "vocab_size": g.vocab, "emb_dim": g.hidden, "inner_dim": inner_dim, "n_predict": n_predict,
+           "top_k_tokens_per_head": [1] * n_predict, "n_candidates": 1, "tie_weights": False,
+           "scale_input": scale_input}
+    return _write(d, cfg, t)
+
+
+def add_mtp_layers(target_dir, *, kind="deepseek", num_layers=1, seed=0) -> Path:
+    """Add MTP layers to a saved tiny target (model.safetensors, rewritten in place).
+
+    deepseek: model.layers.{L + k}.{enorm, hnorm, eh_proj, shared_head.{norm, head}, embed_tokens} + block.
+    mimo: model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm} + block.
+    """
+    target_dir = Path(target_dir)
+    cfg = json.loads((target_dir / "config.json").read_text())
+    L = int(cfg["num_hidden_layers"])
+    rope = cfg.get("rope_parameters") or {}
+    g = Geom(cfg["hidden_size"], cfg["vocab_size"], L, cfg["num_attention_heads"],
+             cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+             cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], cfg["intermediate_size"],
+             cfg.get("rms_norm_eps", 1e-6), float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+             cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)))
+    r, h = _Rand(seed), g.hidden
+    file = target_dir / "model.safetensors"
+    t = dict(load_file(str(file)))
+    for k in range(num_layers):
+        if kind == "deepseek":
+            p = f"model.layers.{L + k}."
+            t.update({p + "enorm.weight": r.norm(h), p + "hnorm.weight": r.norm(h), p + "eh_proj.weight": r.mat(h, 2 * h),
+                      p + "shared_head.norm.weight": r.norm(h), p + "shared_head.head.weight": r.mat(g.vocab, h, 8.0),
+                      p + "embed_tokens.weight": t["model.embed_tokens.weight"].copy()})
+        elif kind == "mimo":
+            p = f"model.mtp_layers.{k}."
+            t.update({p + "token_layernorm.weight": r.norm(h), p + "hidden_layernorm.weight": r.norm(h),
+                      p + "input_proj.weight": r.mat(h, 2 * h), p + "final_layernorm.weight": r.norm(h)})
+        else:
+            raise ValueError(f"kind must be 'deepseek' or 'mimo', got {kind!r}")
+        t.update(_layer(r, g, p, h, input_norm="input_layernorm.weight", qkv_bias=g.qkv_bias))
+    save_file(t, str(file), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = num_layers
+    (target_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    return target_dir
