@@ -79,6 +79,12 @@ class SpecSection:
     ngram_draft_tokens_by_match: tuple[int, ...] = (3,)
     ngram_corpus: str = ""
     simulate_accept_length: int = 0
+    # Medusa trees: a JSON list of top-k rank paths ("medusa choices"), e.g. [[0], [1], [0, 0]];
+    # "" = the num_draft_tokens - 1 paths of smallest rank sum within topk x num_steps.
+    tree_choices: str = ""
+    # How an EAGLE-3 config's eagle_aux_hidden_state_layer_ids count: "output" (SpecForge /
+    # SGLang: id i = the output of layer i) or "input" (vLLM: the state entering layer i).
+    eagle3_layer_ids: str = "output"
 
 
 @dataclasses.dataclass(frozen=True)

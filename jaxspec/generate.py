@@ -47,6 +47,8 @@ FLAG_KEYS = {
     "ngram_draft_tokens_by_match": "spec.ngram_draft_tokens_by_match",
     "ngram_corpus": "spec.ngram_corpus",
     "simulate_accept_length": "spec.simulate_accept_length",
+    "tree_choices": "spec.tree_choices",
+    "eagle3_layer_ids": "spec.eagle3_layer_ids",
 }
 
 
@@ -67,7 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     sp = p.add_argument_group("speculative decoding")
-    sp.add_argument("--spec", metavar="none|ngram|standalone", help="speculative algorithm")
+    sp.add_argument("--spec", metavar="none|ngram|standalone|eagle|eagle3|nextn|medusa|mlp_speculator",
+                    help="speculative algorithm")
     sp.add_argument("--num-steps", type=int, help="draft steps per iteration (tree depth)")
     sp.add_argument("--topk", type=int, help="branching per draft step (1 = chain)")
     sp.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, root included")
@@ -75,7 +78,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                     help="auto (default): greedy rule for greedy requests, lossless rejection for sampled ones")
     sp.add_argument("--threshold-single", type=float, help="target-only verify; < 1 is NOT lossless")
     sp.add_argument("--threshold-acc", type=float, help="target-only verify; < 1 is NOT lossless")
-    sp.add_argument("--draft-model", help="standalone draft: 'default', a HF dir or a .gguf (same tokenizer)")
+    sp.add_argument("--draft-model", help="standalone: 'default', a HF dir or a .gguf (same tokenizer); eagle, "
+                    "eagle3, medusa, mlp_speculator: a head directory in its published format (eagle/nextn "
+                    "without one: the target's own MTP layers)")
+    sp.add_argument("--tree-choices", metavar="JSON", help="medusa tree as rank paths, e.g. '[[0],[1],[0,0]]'")
+    sp.add_argument("--eagle3-layer-ids", choices=["output", "input"],
+                    help="EAGLE-3 eagle_aux_hidden_state_layer_ids count layer outputs (SpecForge/SGLang, "
+                    "default) or layer inputs (vLLM)")
     sp.add_argument("--draft-layers", type=int, help="standalone draft = first N layers of the draft (or target)")
     sp.add_argument("--ngram-min-match", type=int)
     sp.add_argument("--ngram-max-match", type=int)
@@ -192,23 +201,10 @@ def stop_token_ids(model) -> tuple[int, ...]:
 
 
 def build_draft(cfg, model, dtype, progress):
-    """(params, config) of the standalone draft model, or None for drafters without one."""
-    from jaxspec.models.loading import load_model
-    from jaxspec.speculative.algorithm import validate_spec_config
-    from jaxspec.speculative.standalone import truncate_layers
+    """(params, config) of the draft model or head the spec needs, or None (`drafters.load`)."""
+    from jaxspec.speculative.drafters.load import load_draft
 
-    # The CLI may set simulate_accept_length (benchmark mode); its output is labelled non-exact.
-    spec = validate_spec_config(cfg.spec, benchmark=True)
-    if spec.algorithm.lower() != "standalone":
-        return None
-    if spec.draft_model:
-        d = load_model(spec.draft_model, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
-        params, dcfg = d.params, d.config
-    else:
-        params, dcfg = model.params, model.config
-    if spec.draft_layers:
-        params, dcfg = truncate_layers(params, dcfg, spec.draft_layers)
-    return params, dcfg
+    return load_draft(cfg.spec, model, dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
 
 
 def run(args) -> int:

@@ -62,18 +62,18 @@ def test_non_string_name():
 # ---------------------------------------------------------------- capabilities
 
 CAPS = ("needs_draft_model", "needs_draft_kv_cache", "needs_target_hidden_states",
-        "supports_tree", "supports_rejection_sampling", "is_deterministic_drafter",
-        "implemented", "speculative")
+        "supports_tree", "provides_draft_probs", "implemented", "speculative")
 EXPECTED = {
-    #              model  kv     hidden tree   rej    det    impl   spec
-    "none":       (False, False, False, False, False, False, True, False),
-    "ngram":      (False, False, False, True, True, True, True, True),
-    "standalone": (True, True, False, True, True, False, True, True),
-    "eagle":      (True, True, True, True, True, False, False, True),
-    "eagle3":     (True, True, True, True, True, False, False, True),
-    "medusa":     (True, False, True, True, True, False, False, True),
-    "dflash":     (True, True, True, False, False, False, False, True),
-    "dspark":     (True, True, True, False, False, False, False, True),
+    #                  model  kv     hidden tree   probs  impl   spec
+    "none":           (False, False, False, False, False, True, False),
+    "ngram":          (False, False, False, True, False, True, True),
+    "standalone":     (True, True, False, True, True, True, True),
+    "eagle":          (True, True, True, True, True, True, True),
+    "eagle3":         (True, True, True, True, True, True, True),
+    "medusa":         (True, False, True, True, True, True, True),
+    "mlp_speculator": (True, False, True, False, True, True, True),
+    "dflash":         (True, True, True, False, False, False, True),
+    "dspark":         (True, True, True, False, False, False, True),
 }
 
 
@@ -84,9 +84,13 @@ def test_capabilities_of_every_builtin():
         assert info is SpecAlgorithm(name).info
         assert tuple(getattr(info, c) for c in CAPS) == caps, name
     assert A.algorithm_info("nextn") == A.algorithm_info(SpecAlgorithm.EAGLE)
-    assert A.implemented_names() == ("none", "ngram", "standalone")
-    assert A.algorithm_info("standalone").uses_draft_probs
-    assert not A.algorithm_info("ngram").uses_draft_probs  # one-hot q: draft_probs=None
+    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "medusa", "mlp_speculator")
+
+
+def test_auto_verify_is_lossless_rejection_for_every_drafter():
+    # Deterministic drafters are verified as one-hot proposals: no drafter needs target-only.
+    assert A.sampling_verify("auto") == "rejection"
+    assert A.sampling_verify("target-only") == "target-only"
 
 
 def test_info_is_frozen():
@@ -179,10 +183,11 @@ def test_valid_configs_pass_and_canonicalise():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(algorithm="eagle2"), r"spec.algorithm: unknown speculative algorithm 'eagle2'; valid: none, ngram"),
-    (dict(algorithm="eagle"), r"spec.algorithm='eagle' is not implemented yet; implemented: none, ngram, standalone"),
-    (dict(algorithm="NextN"), r"spec.algorithm='eagle' is not implemented yet"),
-    (dict(algorithm="eagle3"), "'eagle3' is not implemented yet"),
-    (dict(algorithm="medusa"), "'medusa' is not implemented yet"),
+    (dict(algorithm="dflash"), r"spec.algorithm='dflash' is not implemented yet; implemented: none, ngram, standalone, "
+                               r"eagle, eagle3, medusa, mlp_speculator"),
+    (dict(algorithm="eagle3"), "algorithm 'eagle3' needs a draft model: set spec.draft_model"),
+    (dict(algorithm="medusa"), "algorithm 'medusa' needs a draft model"),
+    (dict(algorithm="mlp_speculator"), "algorithm 'mlp_speculator' needs a draft model"),
     (dict(algorithm="dflash"), "'dflash' is not implemented yet"),
     (dict(algorithm="dspark"), "'dspark' is not implemented yet"),
     (dict(verify="typical"), r"spec.verify must be one of auto, greedy, target-only, rejection; got 'typical'"),
@@ -231,13 +236,12 @@ def test_simulate_accept_length_bound(kw, message):
 
 
 def test_capability_errors_via_plugins(plugin):
-    plugin("chain", AlgorithmInfo(supports_tree=False, supports_rejection_sampling=False))
+    plugin("chain", AlgorithmInfo(supports_tree=False))
     with pytest.raises(SpecConfigError, match=r"spec.topk=2 needs a tree drafter, but algorithm "
                                               r"'chain' drafts chains only; use spec.topk=1"):
         A.validate_spec_config(spec(algorithm="chain", topk=2))
-    with pytest.raises(SpecConfigError, match=r"spec.verify='rejection' needs draft probabilities "
-                                              r"or a deterministic drafter.*'chain'"):
-        A.validate_spec_config(spec(algorithm="chain", verify="rejection"))
+    # Rejection needs no capability: a drafter without probabilities is verified as one-hot proposals.
+    assert A.validate_spec_config(spec(algorithm="chain", verify="rejection")).verify == "rejection"
     assert A.validate_spec_config(spec(algorithm="CHAIN", verify="target-only")).algorithm == "chain"
 
     plugin("later", AlgorithmInfo(implemented=False))

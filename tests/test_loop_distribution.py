@@ -94,7 +94,7 @@ def engine_for(model, spec: SpecSection | None) -> Engine:
                          page_size=4)
     draft = None
     if spec is not None and spec.algorithm == "standalone":
-        from jaxspec.speculative.standalone import truncate_layers
+        from jaxspec.speculative.drafters.standalone import truncate_layers
 
         draft = truncate_layers(model.params, model.config, spec.draft_layers)
     return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)

@@ -23,6 +23,7 @@ from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request, RequestError
 from jaxspec.models.loading import load_model
 from jaxspec.speculative import algorithm as A
+from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.sampling import make_verify_noise, race_sample, sample_token
 from tests.reference import hf_greedy
 
@@ -53,7 +54,7 @@ def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
     """The server's `--spec none` (and adaptive k = 0) is the speculative loop
     drafting nothing; at T > 0 it must emit plain decoding's tokens exactly."""
     from jaxspec.serve.runner import plan_for_steps
-    from jaxspec.speculative.drafter import build_drafter
+    from jaxspec.speculative.drafters import build_drafter
     from jaxspec.speculative.loop import make_spec_decode_fn
 
     model, _ = llama
@@ -216,7 +217,7 @@ def deep_tree_run(model):
     """A row that fills its page budget to the last slot, alone and in a batch.
     The bucket's page table is longer than the budget, so a slot past the
     budget maps to the null page, which every row shares."""
-    from jaxspec.speculative.standalone import truncate_layers
+    from jaxspec.speculative.drafters.standalone import truncate_layers
 
     # The target drafts for itself, so deep tree nodes are accepted and a spoilt one shows.
     draft = truncate_layers(model.params, model.config, model.config.num_layers)
@@ -249,7 +250,7 @@ def scratch_writes_past(model, declared: int) -> int:
     """
     from types import SimpleNamespace
 
-    from jaxspec.speculative.standalone import DraftState, truncate_layers
+    from jaxspec.speculative.drafters.standalone import DraftState, truncate_layers
 
     ps, hist = 4, 10
     engine = Engine(model.params, model.config, dataclasses.replace(ECFG, page_size=ps), progress=False,
@@ -273,7 +274,7 @@ def scratch_writes_past(model, declared: int) -> int:
 
 
 def test_standalone_tree_writes_within_its_declared_scratch(llama):
-    from jaxspec.speculative.standalone import StandaloneDrafter
+    from jaxspec.speculative.drafters.standalone import StandaloneDrafter
 
     model, _ = llama
     drafter = StandaloneDrafter(model.config, DEEP_TREE.num_steps, DEEP_TREE.topk, DEEP_TREE.num_draft_tokens, False)
@@ -286,21 +287,14 @@ def test_standalone_tree_writes_within_its_declared_scratch(llama):
 
 
 @dataclasses.dataclass(frozen=True)
-class RepeatDrafter:
-    """Toy plugin: drafts the root token repeated (a deterministic chain)."""
+class RepeatDrafter(DrafterBase):
+    """Toy plugin: drafts the root token repeated (a deterministic chain); the
+    protocol's defaults (no state, no features) come from DrafterBase."""
 
     plan: object
-    scratch_tokens: int = 0
-    needs_draft_cache: bool = False
-
-    def init_state(self, draft_cache, batch):
-        return None
-
-    def prefill(self, params, state, tokens, prompt_lens, page_table):
-        return None
 
     def propose(self, params, state, s):
-        from jaxspec.speculative.drafter import Proposal
+        from jaxspec.speculative.protocol import Proposal
 
         root = jnp.take_along_axis(s.history, (s.hist_len - 1)[:, None], axis=1)
         return Proposal(jnp.repeat(root, self.plan.num_draft_tokens, axis=1), None, None, None)
@@ -308,8 +302,7 @@ class RepeatDrafter:
 
 @pytest.fixture
 def repeat_plugin():
-    name = A.register("repeat", A.AlgorithmInfo(supports_rejection_sampling=True, is_deterministic_drafter=True,
-                                                drafts_in_steps=False), lambda plan, **_: RepeatDrafter(plan))
+    name = A.register("repeat", A.AlgorithmInfo(drafts_in_steps=False), lambda plan, **_: RepeatDrafter(plan))
     yield name
     A.unregister(name)
 
@@ -347,7 +340,7 @@ def test_plugin_factory_returning_a_non_drafter_is_a_clear_error(llama):
     model, _ = llama
     name = A.register("broken", A.AlgorithmInfo(drafts_in_steps=False), lambda **_: object())
     try:
-        with pytest.raises(RequestError, match="lacks scratch_tokens, needs_draft_cache, init_state"):
+        with pytest.raises(RequestError, match="lacks scratch_tokens, draft_cache_cfg, target_features"):
             Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm=name))
     finally:
         A.unregister(name)

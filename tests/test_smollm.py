@@ -16,7 +16,7 @@ from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
 from jaxspec.models.llama import forward, prepare_params
-from jaxspec.speculative.standalone import truncate_layers
+from jaxspec.speculative.drafters.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, hf_greedy
 
 pytestmark = pytest.mark.slow

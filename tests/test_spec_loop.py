@@ -22,7 +22,7 @@ from jaxspec.engine import Engine, Request, SamplingParams
 from jaxspec.models.llama import forward
 from jaxspec.models.loading import load_model
 from jaxspec.speculative.loop import spec_iteration
-from jaxspec.speculative.standalone import truncate_layers
+from jaxspec.speculative.drafters.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, chi_square_pvalue, hf_first_two_marginals, hf_greedy
 
 PROMPTS = [[5, 17, 33, 9, 100, 42, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [99]]

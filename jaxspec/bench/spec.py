@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     from jaxspec.bench.decode import param_bytes
     from jaxspec.bench.prompts import NUM_PASSAGES, humaneval_rewrite_prompts, mtbench_questions, repeat_prompts
     from jaxspec.models.loading import load_model
-    from jaxspec.speculative.standalone import truncate_layers
+    from jaxspec.speculative.drafters.standalone import truncate_layers
 
     model = load_model(args.model, dtype=jnp.float32)
     n, new = args.num_prompts, args.max_new_tokens

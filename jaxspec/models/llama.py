@@ -25,10 +25,10 @@ from jaxspec.native.paged_attention import MAX_QUERIES, paged_attention_native
 class ForwardOutput:
     logits: jax.Array  # [B, K, V] at the requested positions (K = T when all)
     cache: KVCache
-    # Final-norm hidden state at the same positions [B, K, D], when asked for.
-    last_hidden: jax.Array | None = None
-    # Outputs of the chosen decoder layers, [len(hidden_layers), B, T, D], when asked for.
-    layer_hidden: jax.Array | None = None
+    # Captured hidden states at every block position [B, T, F], when asked for:
+    # the residual stream entering each of `capture_layers`, then (with
+    # capture_final) the final-norm state, concatenated on the last axis.
+    features: jax.Array | None = None
     # With write_cache=False: the block's K and V per layer, each [L, B, T, kvh, hd].
     new_kv: tuple[jax.Array, jax.Array] | None = None
 
@@ -84,8 +84,8 @@ def forward(
     kv_len: jax.Array,  # [B] int32 = q_start + number of valid tokens in the block
     tree_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal block
     logits_index: jax.Array | None = None,  # [B, K] int32 positions to project; None = all
-    return_last_hidden: bool = False,
-    hidden_layers: tuple[int, ...] = (),
+    capture_layers: tuple[int, ...] = (),
+    capture_final: bool = False,
     write_cache: bool = True,
 ) -> ForwardOutput:
     """Run the decoder over a block of T new tokens per sequence.
@@ -94,6 +94,9 @@ def forward(
     kv_len[b] are padding and write to the null page. With write_cache=False the
     cache is only read (the block attends to itself directly) and the block's
     K/V come back in `new_kv` for the caller to write (jnp attention only).
+    `capture_layers` (state entering layer k, k in [0, L]) and `capture_final`
+    return features for drafters that read the target's hidden states, at all
+    T positions whatever `logits_index` is: a prefill needs every position's.
     """
     if "head" not in params:
         raise ValueError("forward() needs runtime params: call prepare_params(params, cfg) on loaded weights")
@@ -106,7 +109,12 @@ def forward(
     # Padding tokens write to the null page, never over a live slot.
     pages = jnp.where(slots < kv_len[:, None], pages, 0)
     attn_args = (page_table, q_start, kv_len, tree_mask)
-    want = jnp.array(hidden_layers, jnp.int32) if hidden_layers else None
+    for k in capture_layers:
+        if not 0 <= k <= cfg.num_layers:
+            raise ValueError(f"capture layer {k} is outside [0, {cfg.num_layers}] for a {cfg.num_layers}-layer model")
+    # Entering layer k = output of layer k - 1; only those outputs leave the scan.
+    want_out = sorted({k - 1 for k in capture_layers if k >= 1})
+    want = jnp.array(want_out, jnp.int32) if want_out else None
 
     # 2. The decoder stack under lax.scan; the cache is part of the carry.
     def layer_step(carry, xs):
@@ -120,6 +128,8 @@ def forward(
         m = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
         h = h + linear(jax.nn.silu(linear(m, lp["w_gate"])) * linear(m, lp["w_up"]), lp["w_down"])
         return (h, ck, cv), (h if want is not None else None, None if write_cache else kv)
+
+    x_embed = x
 
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
@@ -135,7 +145,16 @@ def forward(
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, ck, cv), (per_layer, new_kv) = jax.lax.scan(layer_step, (x, cache.k, cache.v), (layers, layer_ids))
 
-    # 3. Final norm and LM head, only at the positions the caller needs.
+    # 3. Captured features (every position), then the final norm and LM head
+    #    only at the positions the caller needs.
+    feats = []
+    if want is not None:
+        picked = per_layer[want]
+        outs_by_layer = {k: picked[i] for i, k in enumerate(want_out)}
+    for k in capture_layers:
+        feats.append(x_embed if k == 0 else outs_by_layer[k - 1])
+    if capture_final:
+        feats.append(rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -143,8 +162,7 @@ def forward(
     return ForwardOutput(
         logits=logits,
         cache=KVCache(k=ck, v=cv),
-        last_hidden=x if return_last_hidden else None,
-        layer_hidden=per_layer[want] if want is not None else None,
+        features=jnp.concatenate(feats, axis=-1) if feats else None,
         new_kv=new_kv,
     )
 

@@ -147,6 +147,11 @@ def plan_tensors(cfg: ModelConfig, names: set[str]) -> dict[str, Any]:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise LoadError(f"checkpoint is missing tensor {missing[0]!r}{more}")
     extra = {n for n in names - wanted if not _HARMLESS_EXTRA.search(n)}
+    # Multi-token-prediction layers stored beside the target (DeepSeek: extra
+    # layers past num_hidden_layers; MiMo: mtp_layers) belong to the NEXTN
+    # drafter (`jaxspec.models.heads.loading.load_mtp_head`), not the target.
+    mtp = re.compile(rf"^{re.escape(p)}(mtp_layers\.\d+\.|layers\.(\d+)\.)")
+    extra = {n for n in extra if not ((m := mtp.match(n)) and (m.group(2) is None or int(m.group(2)) >= cfg.num_layers))}
     if cfg.tie_word_embeddings:
         extra.discard("lm_head.weight")  # some exporters write the tied copy anyway
     if extra:

@@ -139,6 +139,13 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
     return jax.tree.map(_put, params, param_shardings(params, cfg, mesh))
 
 
+def replicate(tree, mesh: Mesh | None):
+    """Every leaf whole on every device (small drafter heads)."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x: _put(x, NamedSharding(mesh, P())), tree)
+
+
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     # k/v [L, P, page_size, kvh, hd]: heads over "model"; pages replicated (see module doc).
     return NamedSharding(mesh, P(None, None, None, "model", None))

@@ -41,12 +41,11 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     if key[0] == "prefill":
         _, b, c = key
-        return dict(tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.max_pages),
+        return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.max_pages),
                     sampling=runner.sampling_inputs([], b))
     _, _, b, ctx = key
     return dict(table=z(b, -(-ctx // runner.page_size)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
-                done=z(b, dtype=bool), num_verify=z(b), accept_lens=z(b, runner.steps_per_call), draft_len=z(b),
-                sampling=runner.sampling_inputs([], b))
+                done=z(b, dtype=bool), slots=z(b), sampling=runner.sampling_inputs([], b))
 
 
 class LeaderRunner:

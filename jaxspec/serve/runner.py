@@ -3,8 +3,13 @@
 The scheduler owns every sequence's tokens on the host and rebuilds the small
 per-call arrays (page table, history, lengths, sampling) from them, so a
 sequence can join or leave the batch between any two device calls and the
-batch can move between buckets freely. Only the paged caches live on device
-across calls; they are donated to every call.
+batch can move between buckets freely. On device across calls live the paged
+caches and the drafter's per-sequence state (a feature drafter's pending
+target feature, a draft model's cached length): a slot store with one row per
+batch slot (`RowInput.slot`, assigned by the scheduler for a sequence's whole
+stay), gathered into the call's rows and scattered back inside the same
+executable. A recomputed (preempted) sequence is prefilled again, which
+rewrites its slot, features included. All of these are donated to every call.
 
 Two executables per bucket:
 
@@ -28,12 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
+from jaxspec.engine.core import draft_cache_of, make_chunk_prefill_fn, row_state, spec_state, with_row_state
 from jaxspec.models import sharding as shd
-from jaxspec.models.llama import forward
+from jaxspec.speculative.drafters import build_drafter, reserve_tokens
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
-from jaxspec.speculative.sampling import sample_token
-from jaxspec.speculative.drafter import build_drafter, reserve_tokens
-from jaxspec.speculative.standalone import DraftState
 
 
 @dataclasses.dataclass
@@ -44,7 +47,7 @@ class RowInput:
     prompt_len: int  # the original prompt (max_new counts from here)
     max_new: int
     page_row: np.ndarray  # [max_pages] int32
-    draft_len: int  # tokens whose draft-model K/V is cached
+    slot: int  # the sequence's row in the drafter-state store (scheduler-assigned, stable while active)
     temperature: float
     top_k: int
     top_p: float
@@ -56,7 +59,6 @@ class RowInput:
 class RowOutput:
     tokens: list[int]  # newly committed tokens, cut at a stop id or max_new
     done: bool
-    draft_len: int
     accept_lens: list[int]  # committed tokens per verify step in this call
 
 
@@ -65,25 +67,39 @@ def plan_for_steps(base: SpecPlan, k: int) -> SpecPlan:
     return dataclasses.replace(base, num_draft_tokens=k + 1, topk=1, num_steps=max(k, 1))
 
 
-def make_chunk_prefill_fn(cfg, draft_cfg):
-    def prefill_fn(params, draft_params, cache, draft_cache, tokens, q_start, chunk_lens, page_table,
-                   sampling: SamplingParams):
-        # tokens [B, L] int32; q_start [B] first slot of the chunk; chunk_lens [B] (0 = padding row);
-        # page_table [B, max_pages]
-        positions = q_start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        kv_len = q_start + chunk_lens
-        last = jnp.maximum(chunk_lens - 1, 0)[:, None]
-        out = forward(params, cfg, tokens, positions, cache, page_table, q_start=q_start, kv_len=kv_len,
-                      logits_index=last)
-        # Seeded by absolute position, like Engine's prefill: same request, same first token.
-        first = sample_token(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
-                             sampling.seed, kv_len)
-        if draft_cfg is not None:
-            draft_cache = forward(draft_params, draft_cfg, tokens, positions, draft_cache, page_table,
-                                  q_start=q_start, kv_len=kv_len, logits_index=last).cache
-        return out.cache, draft_cache, first
+def _prefill_adapter(chunk_prefill):
+    """The shared chunked prefill with the drafter state third (what `_with_slots` expects)."""
 
-    return prefill_fn
+    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling):
+        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling)
+        return cache, first, draft
+
+    return fn
+
+
+def _decode_adapter(decode):
+    def fn(params, draft_params, draft, state):
+        out = decode(params, draft_params, dataclasses.replace(state, draft=draft))
+        return dataclasses.replace(out, draft=None), out.draft
+
+    return fn
+
+
+def _with_slots(fn, drafter):
+    """fn(params, draft_params, draft, *args) -> (..., draft) as a function of the
+    slot store instead: store = (draft cache, per-row leaves [num_slots + 1, ...]),
+    slots [B] int32. The rows are gathered before and scattered back after,
+    inside the same executable (padding rows use the spare last slot)."""
+
+    def run(params, draft_params, store, slots, *args):
+        cache, rows = store
+        b = slots.shape[0]
+        draft = with_row_state(drafter.init_state(cache, b), jax.tree.map(lambda x: x[slots], rows), cache)
+        *out, draft = fn(params, draft_params, draft, *args)
+        new_rows = jax.tree.map(lambda st, r: st.at[slots].set(r), rows, row_state(draft))
+        return (*out, (draft_cache_of(draft), new_rows))
+
+    return run
 
 
 class ModelRunner:
@@ -113,17 +129,23 @@ class ModelRunner:
         ctx = [c for c in sorted(context_buckets) if c < engine.max_context] + [engine.max_context]
         self.context_buckets = tuple(ctx)
         draft_cfg = engine.draft_cfg
-        self.draft_cfg = draft_cfg
-        # `pinned`: outputs keep the mesh layout, so each executable accepts its own outputs.
-        self._prefill = jax.jit(engine.pinned(make_chunk_prefill_fn(self.cfg, draft_cfg)), donate_argnums=(2, 3))
         self._decode = {}
         reserves = []
         for k, plan in self.plans.items():
             drafter = build_drafter(plan, draft_cfg=draft_cfg, target_cfg=self.cfg, catch_up_width=self.max_depth + 1)
             reserves.append(reserve_tokens(plan, drafter))
-            fn = make_spec_decode_fn(plan, self.cfg, drafter, max_iters=steps_per_call)
-            self._decode[k] = jax.jit(engine.pinned(fn), donate_argnums=(2,))
+            self._decode[k] = jax.jit(engine.pinned(_with_slots(_decode_adapter(
+                make_spec_decode_fn(plan, self.cfg, drafter, max_iters=steps_per_call)), drafter)),
+                donate_argnums=(2, 4))
         self.reserve = max(reserves)
+        # Every plan's drafter keeps the same state layout (they differ in draft length only),
+        # so one store and one prefill serve all of them. `pinned`: outputs keep the mesh
+        # layout, so each executable accepts its own outputs.
+        self._drafter = drafter
+        self.num_slots = ecfg.max_batch_size
+        self._prefill = jax.jit(engine.pinned(_with_slots(_prefill_adapter(make_chunk_prefill_fn(self.cfg, drafter)),
+                                                          drafter)), donate_argnums=(2, 4))
+        self.store = self._new_store()
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
         self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration
@@ -151,17 +173,25 @@ class ModelRunner:
         return SamplingParams(temperature=f32, top_k=i32, top_p=f32, seed=jax.ShapeDtypeStruct((b,), jnp.uint32),
                               stop_ids=jax.ShapeDtypeStruct((b, MAX_STOP_IDS), jnp.int32), max_new=i32)
 
+    def _new_store(self):
+        """(draft cache, per-row drafter state [num_slots + 1, ...]); the last row is the padding rows' spare."""
+        e = self.engine
+        rows = row_state(self._drafter.init_state(e.draft_cache, self.num_slots + 1))
+        return (e.draft_cache, shd.shard_batch(rows, e.mesh))
+
     def _state_struct(self, b: int, ctx: int) -> SpecState:
+        """The decode call's state without the drafter's (that comes from the store)."""
         e = self.engine
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        draft = None
-        if e.draft_cache is not None:
-            draft = DraftState(cache=e.draft_cache, draft_len=i32(b))
-        return SpecState(
-            cache=e.cache, draft=draft, page_table=i32(b, -(-ctx // self.page_size)), history=i32(b, ctx),
-            hist_len=i32(b), prompt_lens=i32(b), done=jax.ShapeDtypeStruct((b,), jnp.bool_), num_verify=i32(b),
-            accept_lens=i32(b, self.steps_per_call), sampling=self._sampling_struct(b), corpus=e.corpus,
+        return spec_state(
+            cache=e.cache, draft=None, page_table=i32(b, -(-ctx // self.page_size)), history=i32(b, ctx),
+            hist_len=i32(b), prompt_lens=i32(b), done=jax.ShapeDtypeStruct((b,), jnp.bool_),
+            sampling=self._sampling_struct(b), accept_width=self.steps_per_call, corpus=e.corpus,
+            zeros=jax.ShapeDtypeStruct,
         )
+
+    def _slots_struct(self, b: int):
+        return jax.ShapeDtypeStruct((b,), jnp.int32)
 
     def compile(self, keys: Sequence[tuple], progress: bool = False) -> None:
         from tqdm.auto import tqdm
@@ -173,13 +203,13 @@ class ModelRunner:
                 if key[0] == "prefill":
                     _, b, c = key
                     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-                    batch = shd.abstract_state((i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
+                    batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
                                                 self._sampling_struct(b)), e.mesh)
-                    lowered = self._prefill.lower(e.params, e.draft_params, e.cache, e.draft_cache, *batch)
+                    lowered = self._prefill.lower(e.params, e.draft_params, self.store, batch[0], e.cache, *batch[1:])
                 else:
                     _, k, b, ctx = key
-                    lowered = self._decode[k].lower(e.params, e.draft_params,
-                                                    shd.abstract_state(self._state_struct(b, ctx), e.mesh))
+                    slots, state = shd.abstract_state((self._slots_struct(b), self._state_struct(b, ctx)), e.mesh)
+                    lowered = self._decode[k].lower(e.params, e.draft_params, self.store, slots, state)
                 self._compiled[key] = lowered.compile()
             self.num_compiles += 1
 
@@ -190,7 +220,7 @@ class ModelRunner:
             for b in self.batch_buckets:
                 for ctx in self.context_buckets:
                     rows = [RowInput(tokens=[1] * 8, prompt_len=8, max_new=10**6,
-                                     page_row=np.zeros(self.max_pages, np.int32), draft_len=7, temperature=0.0,
+                                     page_row=np.zeros(self.max_pages, np.int32), slot=self.num_slots, temperature=0.0,
                                      top_k=0, top_p=1.0, seed=0, stop_ids=()) for _ in range(b)]
                     times = []
                     for _ in range(2):  # the first call warms up
@@ -205,6 +235,15 @@ class ModelRunner:
         e.cache = shd.zeros_cache(e.cache.k.shape, e.cache.k.dtype, e.mesh)
         if e.draft_cache is not None:
             e.draft_cache = shd.zeros_cache(e.draft_cache.k.shape, e.draft_cache.k.dtype, e.mesh)
+        self.store = self._new_store()
+
+    def _restore(self) -> None:
+        """After a failed call the donated buffers are gone: fresh caches and store."""
+        e = self.engine
+        lost_store = any(x.is_deleted() for x in jax.tree.leaves(self.store))
+        e._restore_donated_caches()
+        if lost_store:
+            self.store = self._new_store()
 
     # ---- calls -------------------------------------------------------------------
 
@@ -229,11 +268,12 @@ class ModelRunner:
         tokens = np.zeros((b, c), np.int32)
         q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
         table = np.zeros((b, self.max_pages), np.int32)
+        slots = np.full((b,), self.num_slots, np.int32)
         for i, (row, start, n) in enumerate(chunks):
             tokens[i, :n] = row.tokens[start: start + n]
-            q_start[i], lens[i] = start, n
+            q_start[i], lens[i], slots[i] = start, n, row.slot
             table[i, : len(row.page_row)] = row.page_row
-        inputs = dict(tokens=tokens, q_start=q_start, lens=lens, table=table,
+        inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
                       sampling=self.sampling_inputs([r for r, _, _ in chunks], b))
         return ("prefill", b, c), inputs
 
@@ -243,12 +283,13 @@ class ModelRunner:
         self.compile([key])
         try:
             x = shd.shard_batch(inputs, e.mesh)
-            e.cache, e.draft_cache, first = self._compiled[key](
-                e.params, e.draft_params, e.cache, e.draft_cache, x["tokens"], x["q_start"], x["lens"], x["table"],
-                x["sampling"])
+            e.cache, first, self.store = self._compiled[key](
+                e.params, e.draft_params, self.store, x["slots"], e.cache, x["tokens"], x["q_start"], x["lens"],
+                x["table"], x["sampling"])
+            e.draft_cache = self.store[0]
             return np.asarray(shd.to_host(first))
         finally:
-            e._restore_donated_caches()
+            self._restore()
 
     def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
         """chunks: (row, q_start, chunk_len) each; returns the token sampled at each chunk's end."""
@@ -260,44 +301,37 @@ class ModelRunner:
         maxp = -(-ctx // self.page_size)
         history = np.zeros((b, ctx), np.int32)
         hist_len, prompt_lens = np.ones((b,), np.int32), np.zeros((b,), np.int32)
-        draft_len = np.zeros((b,), np.int32)
+        slots = np.full((b,), self.num_slots, np.int32)
         table = np.zeros((b, maxp), np.int32)
         done = np.ones((b,), bool)
         for i, r in enumerate(rows):
             n = len(r.tokens)
             history[i, :n] = r.tokens
-            hist_len[i], prompt_lens[i], draft_len[i] = n, r.prompt_len, r.draft_len
+            hist_len[i], prompt_lens[i], slots[i] = n, r.prompt_len, r.slot
             m = min(len(r.page_row), maxp)
             table[i, :m] = r.page_row[:m]
             done[i] = False
         # Host arrays only: a jnp.zeros here would compile a fill op per new shape while serving.
         inputs = dict(table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
-                      num_verify=np.zeros((b,), np.int32), accept_lens=np.zeros((b, self.steps_per_call), np.int32),
-                      draft_len=draft_len, sampling=self.sampling_inputs(rows, b))
+                      slots=slots, sampling=self.sampling_inputs(rows, b))
         return ("decode", k, b, ctx), inputs
 
     def run_decode(self, key: tuple, inputs: dict) -> tuple[np.ndarray, ...]:
-        """(history, hist_len, done, accept_lens, num_verify, draft_len) after the call, on the host."""
+        """(history, hist_len, done, accept_lens, num_verify) after the call, on the host."""
         e = self.engine
         x = shd.shard_batch(inputs, e.mesh)
-        draft = None
-        if e.draft_cache is not None:
-            draft = DraftState(cache=e.draft_cache, draft_len=x["draft_len"])
-        state = SpecState(
-            cache=e.cache, draft=draft, page_table=x["table"], history=x["history"], hist_len=x["hist_len"],
-            prompt_lens=x["prompt_lens"], done=x["done"], num_verify=x["num_verify"], accept_lens=x["accept_lens"],
-            sampling=x["sampling"], corpus=e.corpus,
+        state = spec_state(
+            cache=e.cache, draft=None, page_table=x["table"], history=x["history"], hist_len=x["hist_len"],
+            prompt_lens=x["prompt_lens"], done=x["done"], sampling=x["sampling"], accept_width=self.steps_per_call,
+            corpus=e.corpus, zeros=lambda shape, dtype: shd.shard_batch(np.zeros(shape, dtype), e.mesh),
         )
         self.compile([key])
         try:
-            state = self._compiled[key](e.params, e.draft_params, state)
-            e.cache = state.cache
-            if state.draft is not None:
-                e.draft_cache = state.draft.cache
-            return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify,
-                                state.draft.draft_len if state.draft is not None else state.hist_len))
+            state, self.store = self._compiled[key](e.params, e.draft_params, self.store, x["slots"], state)
+            e.cache, e.draft_cache = state.cache, self.store[0]
+            return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify))
         finally:
-            e._restore_donated_caches()
+            self._restore()
 
     def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
         """Up to steps_per_call iterations with draft length k; returns ([RowOutput], iterations run)."""
@@ -306,10 +340,10 @@ class ModelRunner:
 
     @staticmethod
     def decode_outputs(rows: Sequence[RowInput], result: tuple[np.ndarray, ...]):
-        hist, new_len, done_out, acc, nv, dlen = result
+        hist, new_len, done_out, acc, nv = result
         outs = []
         for i, r in enumerate(rows):
             n = len(r.tokens)
             outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
-                                  draft_len=int(dlen[i]), accept_lens=acc[i, : nv[i]].tolist()))
+                                  accept_lens=acc[i, : nv[i]].tolist()))
         return outs, int(nv[: len(rows)].max(initial=0))

@@ -70,7 +70,7 @@ class Seq:
     seq_id: int = dataclasses.field(default_factory=itertools.count().__next__)
     tokens: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # target K/V slots filled so far
-    draft_len: int = 0
+    slot: int | None = None  # row of the runner's drafter-state store while prefilling or running
     status: Status = Status.WAITING
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -105,6 +105,8 @@ class Scheduler:
         self.adaptive = adaptive
         self.metrics = metrics
         self.fixed_k = max(runner.candidates)
+        # Drafter-state rows (runner.store), one per active sequence: at most max_batch_size.
+        self._free_slots = list(range(min(max_batch_size, runner.num_slots)))[::-1]
         self.waiting: collections.deque[Seq] = collections.deque()
         self.prefilling: list[Seq] = []
         self.running: list[Seq] = []
@@ -227,14 +229,14 @@ class Scheduler:
                 break
             self.allocator.allocate(seq.seq_id, need)
             self.waiting.popleft()
-            seq.status, seq.num_cached, seq.draft_len = Status.PREFILLING, 0, 0
+            seq.status, seq.num_cached, seq.slot = Status.PREFILLING, 0, self._free_slots.pop()
             self.prefilling.append(seq)
 
     def _row(self, seq: Seq) -> RowInput:
         p = seq.params
         return RowInput(
             tokens=seq.tokens, prompt_len=len(seq.prompt_ids), max_new=p.max_new_tokens,
-            page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), draft_len=seq.draft_len,
+            page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), slot=seq.slot,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=p.stop_ids,
         )
 
@@ -245,7 +247,6 @@ class Scheduler:
         first = r.prefill(chunks)
         for seq, (_, _, n), tok in zip(batch, chunks, first):
             seq.num_cached += n
-            seq.draft_len = seq.num_cached
             if seq.num_cached < seq.prefill_target:
                 continue
             self.prefilling.remove(seq)
@@ -277,7 +278,8 @@ class Scheduler:
         for group in (self.running, self.prefilling):
             if seq in group:
                 group.remove(seq)
-        seq.status, seq.num_cached, seq.draft_len = Status.WAITING, 0, 0
+        self._release_slot(seq)
+        seq.status, seq.num_cached = Status.WAITING, 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         if self.metrics is not None:
@@ -304,7 +306,6 @@ class Scheduler:
             plan = r.plans[k]
             self.metrics.decode_call(k, (b, ctx), accept, plan.num_draft_tokens - 1, plan.max_depth, self.adaptive)
         for seq, out in zip(batch, outs):
-            seq.draft_len = out.draft_len
             seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
             self._emit(seq, out.tokens, out.done)
 
@@ -331,10 +332,16 @@ class Scheduler:
         if new:
             seq.on_event(Event(text, list(new)))
 
+    def _release_slot(self, seq: Seq) -> None:
+        if seq.slot is not None:
+            self._free_slots.append(seq.slot)
+            seq.slot = None
+
     def _finish(self, seq: Seq, reason: str, last: Event | None = None) -> None:
         if seq.status == Status.FINISHED:
             return
         self.allocator.free(seq.seq_id)
+        self._release_slot(seq)
         for group in (self.running, self.prefilling):
             if seq in group:
                 group.remove(seq)

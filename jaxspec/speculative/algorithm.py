@@ -35,6 +35,7 @@ class SpecAlgorithm(enum.Enum):
     EAGLE = "eagle"
     EAGLE3 = "eagle3"
     MEDUSA = "medusa"
+    MLP_SPECULATOR = "mlp_speculator"
     DFLASH = "dflash"
     DSPARK = "dspark"
 
@@ -65,10 +66,10 @@ class AlgorithmInfo:
     needs_draft_kv_cache: bool = False  # the drafter attends over its own paged KV
     needs_target_hidden_states: bool = False  # the target forward must return features
     supports_tree: bool = False  # can draft topk > 1 trees (else chains only)
-    # Lossless `verify_rejection` needs each draft token's proposal distribution,
-    # or drafts that are a deterministic function of the context (one-hot q).
-    supports_rejection_sampling: bool = False
-    is_deterministic_drafter: bool = False  # no draft probabilities: pass draft_probs=None
+    # Sampled rows get the proposal distribution each draft was sampled from.
+    # Without it rejection verify is still lossless: a deterministic draft is
+    # a one-hot proposal (it only accepts less than a sampled one would).
+    provides_draft_probs: bool = False
     # Draft trees grow one model step per level, so num_steps bounds their
     # depth and num_draft_tokens <= 1 + topk + (num_steps-1)*topk^2. N-gram
     # lookups have no steps: their depth is bounded by num_draft_tokens alone.
@@ -80,36 +81,31 @@ class AlgorithmInfo:
     speculative: bool = True  # False only for NONE: no draft, no verify
     description: str = ""
 
-    @property
-    def uses_draft_probs(self) -> bool:
-        """Whether rejection verify gets real draft probabilities (vs one-hot)."""
-        return self.supports_rejection_sampling and not self.is_deterministic_drafter
-
 
 _BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
     SpecAlgorithm.NONE: AlgorithmInfo(
         speculative=False, description="plain autoregressive decode"),
     SpecAlgorithm.NGRAM: AlgorithmInfo(
-        supports_tree=True, supports_rejection_sampling=True, is_deterministic_drafter=True,
-        drafts_in_steps=False, variable_draft_width=True,
+        supports_tree=True, drafts_in_steps=False, variable_draft_width=True,
         description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
     SpecAlgorithm.STANDALONE: AlgorithmInfo(
-        needs_draft_model=True, needs_draft_kv_cache=True, supports_tree=True,
-        supports_rejection_sampling=True,
+        needs_draft_model=True, needs_draft_kv_cache=True, supports_tree=True, provides_draft_probs=True,
         description="a smaller LM (or the target's first layers) drafts token by token"),
     SpecAlgorithm.EAGLE: AlgorithmInfo(
         needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        supports_tree=True, supports_rejection_sampling=True, implemented=False,
-        description="EAGLE/EAGLE-2 feature-level draft head (also MTP via NEXTN)"),
+        supports_tree=True, provides_draft_probs=True,
+        description="EAGLE-1 head with EAGLE-2 dynamic trees (also NEXTN/MTP layers of the target)"),
     SpecAlgorithm.EAGLE3: AlgorithmInfo(
         needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        supports_tree=True, supports_rejection_sampling=True, implemented=False,
-        description="EAGLE-3 draft head on multi-layer target features"),
+        supports_tree=True, provides_draft_probs=True,
+        description="EAGLE-3 head on multi-layer target features, reduced draft vocabulary"),
     # Medusa heads are MLPs on the last hidden state: no attention, so no draft KV.
     SpecAlgorithm.MEDUSA: AlgorithmInfo(
-        needs_draft_model=True, needs_target_hidden_states=True, supports_tree=True,
-        supports_rejection_sampling=True, implemented=False,
-        description="Medusa parallel decoding heads"),
+        needs_draft_model=True, needs_target_hidden_states=True, supports_tree=True, provides_draft_probs=True,
+        description="Medusa parallel decoding heads (tree from medusa choices)"),
+    SpecAlgorithm.MLP_SPECULATOR: AlgorithmInfo(
+        needs_draft_model=True, needs_target_hidden_states=True, provides_draft_probs=True,
+        description="IBM MLP speculator: n_predict MLP stages on the last hidden state"),
     # Block-diffusion drafters emit a whole chain per forward (linear block
     # verify upstream); the tokens come out of denoising steps, so there is no
     # proposal distribution they were drawn from for rejection sampling.
@@ -128,13 +124,11 @@ ALIASES: dict[str, SpecAlgorithm] = {"nextn": SpecAlgorithm.EAGLE}
 VERIFY_MODES = ("auto", "greedy", "target-only", "rejection")
 
 
-def sampling_verify(verify: str, info: AlgorithmInfo) -> str:
+def sampling_verify(verify: str) -> str:
     """The rule sampled rows get: `verify` itself, or for "auto" lossless
-    rejection where the drafter supports it, else target-only (lossless at its
-    default thresholds of 1)."""
-    if verify != "auto":
-        return verify
-    return "rejection" if info.supports_rejection_sampling else "target-only"
+    rejection (every drafter has it: draft probabilities where it provides
+    them, one-hot proposals where its drafts are deterministic)."""
+    return "rejection" if verify == "auto" else verify
 
 
 def check_request_sampling(verify: str, temperature: float) -> None:
@@ -271,9 +265,18 @@ def _field_checks(s: SpecSection) -> list[tuple[bool, str]]:
          f"spec.ngram_draft_tokens_by_match needs at most ngram_max_match ({s.ngram_max_match}) "
          f"entries, each >= 1; got {list(s.ngram_draft_tokens_by_match)}"),
         (s.draft_layers >= 0, f"spec.draft_layers must be >= 0; got {s.draft_layers}"),
+        (s.eagle3_layer_ids in ("output", "input"),
+         f"spec.eagle3_layer_ids must be 'output' (SpecForge/SGLang) or 'input' (vLLM); got {s.eagle3_layer_ids!r}"),
         (s.simulate_accept_length >= 0,
          f"spec.simulate_accept_length must be >= 0 (0 = off); got {s.simulate_accept_length}"),
     ]
+
+
+def _has_builtin_default(name: str, s: SpecSection) -> bool:
+    """A draft model without spec.draft_model: the target's first layers
+    (standalone, draft_layers > 0), or the target's own MTP layers (eagle, as
+    NEXTN; the loader says so if the target has none)."""
+    return (name == "standalone" and s.draft_layers > 0) or name == "eagle"
 
 
 def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
@@ -286,12 +289,10 @@ def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
         (s.topk == 1 or info.supports_tree,
          f"spec.topk={s.topk} needs a tree drafter, but algorithm {name!r} drafts chains "
          f"only; use spec.topk=1"),
-        (sampling_verify(s.verify, info) != "rejection" or info.supports_rejection_sampling,
-         f"spec.verify='rejection' needs draft probabilities or a deterministic drafter, "
-         f"which algorithm {name!r} does not provide; use greedy or target-only"),
-        (not info.needs_draft_model or bool(s.draft_model) or s.draft_layers > 0,
-         f"algorithm {name!r} needs a draft model: set spec.draft_model, or spec.draft_layers "
-         f"> 0 to draft with the target's first layers"),
+        (not info.needs_draft_model or bool(s.draft_model) or _has_builtin_default(name, s),
+         f"algorithm {name!r} needs a draft model: set spec.draft_model" + (
+             ", or spec.draft_layers > 0 to draft with the target's first layers" if name == "standalone"
+             else " (a head directory in its published format)")),
     ]
     if s.simulate_accept_length > 0:
         most = max_accept_length(s.num_steps, s.num_draft_tokens) if info.drafts_in_steps else s.num_draft_tokens

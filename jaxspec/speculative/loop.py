@@ -1,6 +1,11 @@
 """The speculative iteration as one pure function, run inside `lax.while_loop`.
 
-    draft -> build tree -> verify forward -> accept -> commit KV -> emit
+    draft -> build tree -> verify forward -> accept -> commit KV -> emit -> observe
+
+The drafter is called through its protocol (`jaxspec.speculative.protocol`):
+`propose` drafts, the verify forward returns the target features it declared
+(`target_features`), and `observe` (its draft-extend) reads the committed
+path with their features. Nothing here asks which drafter it is.
 
 `SpecState` is the loop carry. The token history (prompt + committed output)
 lives on device, which is what lets the n-gram drafter run inside the loop.
@@ -24,6 +29,7 @@ from jaxspec.pallas import use_kernel
 from jaxspec.speculative.commit import commit_accepted_kv
 from jaxspec.speculative.sampling import argmax_last, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
+from jaxspec.speculative.types import Committed, FeatureRequest
 from jaxspec.speculative.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
 
 
@@ -60,6 +66,7 @@ class SpecPlan:
     ngram_max_match: int
     ngram_draft_tokens_by_match: tuple[int, ...]
     simulate_accept_length: int
+    tree_choices: str = ""  # Medusa trees (spec.tree_choices)
     # Capabilities of the algorithm (AlgorithmInfo), so nothing here asks its name.
     drafts_in_steps: bool = True  # tree depth bounded by num_steps (else by num_draft_tokens)
     variable_draft_width: bool = False  # drafts often end in padding: verify at narrower widths
@@ -83,10 +90,11 @@ class SpecPlan:
         return cls(
             algorithm=algorithm, num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
             num_steps=spec.num_steps, verify=spec.verify,
-            sampled_rule=sampling_verify(spec.verify, info), threshold_single=spec.threshold_single,
+            sampled_rule=sampling_verify(spec.verify), threshold_single=spec.threshold_single,
             threshold_acc=spec.threshold_acc, ngram_min_match=spec.ngram_min_match,
             ngram_max_match=spec.ngram_max_match, ngram_draft_tokens_by_match=spec.ngram_draft_tokens_by_match,
-            simulate_accept_length=spec.simulate_accept_length, drafts_in_steps=info.drafts_in_steps,
+            simulate_accept_length=spec.simulate_accept_length, tree_choices=spec.tree_choices,
+            drafts_in_steps=info.drafts_in_steps,
             variable_draft_width=info.variable_draft_width,
         )
 
@@ -160,8 +168,9 @@ def verify_widths(plan: SpecPlan) -> tuple[int, ...]:
     return tuple(sorted({1, n} | {w for w in (2, 4, 8) if w < n}))
 
 
-def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, tree, seq_lens, live):
-    """(cache, logits [B, N, V]) of the target forward over the draft tree.
+def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, tree, seq_lens, live,
+                    want: FeatureRequest):
+    """(cache, logits [B, N, V], features [B, N, F] | None) of the target forward over the draft tree.
 
     Node i is written at slot seq_len + i (commit later moves the accepted ones).
     With several widths, the forward runs over only the first `w` nodes, `w`
@@ -171,29 +180,33 @@ def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, toke
     branches only read the cache (the block attends to its own K/V directly) and
     the K/V are written after the switch: a cache written inside a branch would
     be copied whole by XLA every iteration. Logits past `w` are zero; they
-    belong to padding nodes, which no verifier accepts.
+    belong to padding nodes, which no verifier accepts; features past `w` are
+    zero too, and commit never gathers them (only accepted nodes).
     """
     n = plan.num_draft_tokens
     widths = verify_widths(plan)
     tok = jnp.maximum(tokens, 0)
+    capture = dict(capture_layers=want.layers, capture_final=want.final_norm)
     if len(widths) == 1:
         out = forward(params, cfg, tok, tree.positions, s.cache, s.page_table, q_start=seq_lens,
-                      kv_len=jnp.where(live, seq_lens + n, seq_lens), tree_mask=tree.mask)
-        return out.cache, out.logits
+                      kv_len=jnp.where(live, seq_lens + n, seq_lens), tree_mask=tree.mask, **capture)
+        return out.cache, out.logits, out.features
 
     def branch(w):
         def run(cache):
             out = forward(params, cfg, tok[:, :w], tree.positions[:, :w], cache, s.page_table, q_start=seq_lens,
-                          kv_len=seq_lens + w, tree_mask=tree.mask[:, :w, :w], write_cache=False)
-            pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, n - w)] + [(0, 0)] * (x.ndim - 3))  # noqa: E731
-            return jnp.pad(out.logits, ((0, 0), (0, n - w), (0, 0))), pad(out.new_kv[0]), pad(out.new_kv[1])
+                          kv_len=seq_lens + w, tree_mask=tree.mask[:, :w, :w], write_cache=False, **capture)
+            # Node axis: 1 for logits and features [B, T, ...], 2 for the K/V [L, B, T, ...].
+            pad = lambda x, ax: jnp.pad(x, [(0, 0)] * ax + [(0, n - w)] + [(0, 0)] * (x.ndim - ax - 1))  # noqa: E731
+            feats = None if out.features is None else pad(out.features, 1)
+            return pad(out.logits, 1), feats, pad(out.new_kv[0], 2), pad(out.new_kv[1], 2)
 
         return run
 
     real = (tokens >= 0) & live[:, None]
     need = jnp.max(jnp.where(real, jnp.arange(n)[None, :] + 1, 1))
     index = jnp.searchsorted(jnp.array(widths), need)
-    logits, k_new, v_new = jax.lax.switch(index, [branch(w) for w in widths], s.cache)
+    logits, feats, k_new, v_new = jax.lax.switch(index, [branch(w) for w in widths], s.cache)
     # Write the used nodes' K/V (all layers at once); the rest go to the null page.
     width = jnp.array(widths)[index]
     slots = seq_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
@@ -201,19 +214,34 @@ def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, toke
     used = (jnp.arange(n)[None, :] < width) & live[:, None]
     pages = jnp.where(used, pages, NULL_PAGE)
     k, v = write_layer_kv(s.cache.k, s.cache.v, slice(None), pages, offsets, k_new, v_new)
-    return KVCache(k=k, v=v), logits
+    return KVCache(k=k, v=v), logits, feats
 
 
-def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, parents, draft_probs):
-    """2-4. Tree, one target forward over the draft tree, accept: (cache, VerifyResult)."""
+def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, parents, draft_probs,
+                 want: FeatureRequest = FeatureRequest()):
+    """2-4. Tree, one target forward over the draft tree, accept:
+    (cache, VerifyResult, features [B, N, F] | None per `want`)."""
     live = ~s.done
     seq_lens = s.hist_len - 1
     tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
-    cache, logits = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live)
+    cache, logits, feats = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live, want)
     result = _verify(plan, tree, tokens, logits, draft_probs, s)
     if plan.simulate_accept_length:
         result = _simulate(plan, result, logits)
-    return cache, result
+    return cache, result, feats
+
+
+def committed_path(s: SpecState, tokens, result, feats) -> Committed:
+    """The root and accepted drafts of this step, with their target features
+    (gathered the way commit gathers their K/V), for the drafter's observe.
+
+    tokens [B, N]; feats [B, N, F] | None.
+    """
+    idx = jnp.maximum(result.accept_index, 0)  # [B, D+1]
+    path_tokens = jnp.take_along_axis(jnp.maximum(tokens, 0), idx, axis=1)
+    path_feats = None if feats is None else jnp.take_along_axis(feats, idx[:, :, None], axis=1)
+    count = jnp.where(s.done, 0, result.num_accepted + 1)
+    return Committed(path_tokens, path_feats, s.hist_len - 1, count.astype(jnp.int32), result.bonus_token)
 
 
 def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool = False) -> SpecState:
@@ -250,10 +278,13 @@ def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool =
 
 
 def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_params, s: SpecState) -> SpecState:
-    """One draft -> verify -> commit iteration (the while_loop body)."""
+    """One draft -> verify -> commit -> observe iteration (the while_loop body)."""
     tokens, parents, draft_probs, draft_state = draft_phase(plan, drafter, draft_params, s)
-    cache, result = verify_phase(plan, cfg, params, s, tokens, parents, draft_probs)
-    return commit_phase(s, cache, draft_state, tokens, result, chain=parents is None)
+    cache, result, feats = verify_phase(plan, cfg, params, s, tokens, parents, draft_probs, drafter.target_features)
+    out = commit_phase(s, cache, draft_state, tokens, result, chain=parents is None)
+    # 8. Draft-extend: the drafter sees what was committed, with its features.
+    draft_state = drafter.observe(draft_params, out.draft, committed_path(s, tokens, result, feats), s.page_table)
+    return dataclasses.replace(out, draft=draft_state)
 
 
 def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter, max_iters: int | None = None):
@@ -283,25 +314,34 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
     cache in every call would swamp the timings.
 
     draft(draft_params, state) -> (tokens, parents, draft_probs, draft_state), consumes state.draft
-    verify(params, state, tokens, parents, draft_probs) -> (cache, result), consumes state.cache
+    verify(params, state, tokens, parents, draft_probs) -> (cache, result, feats), consumes state.cache
     commit(state, cache, draft_state, tokens, result) -> state
+    observe(draft_params, old_state, new_state, tokens, result, feats) -> new_state (draft-extend), consumes new_state.draft
     """
+    want = drafter.target_features
 
     def draft(draft_params, draft_state, rest):
         return draft_phase(plan, drafter, draft_params, dataclasses.replace(rest, draft=draft_state))
 
     def verify(params, cache, rest, tokens, parents, draft_probs):
-        return verify_phase(plan, cfg, params, dataclasses.replace(rest, cache=cache), tokens, parents, draft_probs)
+        return verify_phase(plan, cfg, params, dataclasses.replace(rest, cache=cache), tokens, parents, draft_probs,
+                            want)
 
     def commit(rest, cache, draft_state, tokens, result):
         return commit_phase(dataclasses.replace(rest, cache=None), cache, draft_state, tokens, result,
                             chain=plan.chain)
 
+    def observe(draft_params, draft_state, old, tokens, result, feats):
+        return drafter.observe(draft_params, draft_state, committed_path(old, tokens, result, feats), old.page_table)
+
     draft_j = jax.jit(draft, donate_argnums=(1,))
     verify_j = jax.jit(verify, donate_argnums=(1,))
     commit_j = jax.jit(commit, donate_argnums=(1,))
+    observe_j = jax.jit(observe, donate_argnums=(1,))
+    bare = lambda s: dataclasses.replace(s, cache=None, draft=None)  # noqa: E731
     return (
         lambda dp, s: draft_j(dp, s.draft, dataclasses.replace(s, draft=None)),
-        lambda p, s, t, par, q: verify_j(p, s.cache, dataclasses.replace(s, cache=None, draft=None), t, par, q),
-        lambda s, cache, d, t, r: commit_j(dataclasses.replace(s, cache=None, draft=None), cache, d, t, r),
+        lambda p, s, t, par, q: verify_j(p, s.cache, bare(s), t, par, q),
+        lambda s, cache, d, t, r: commit_j(bare(s), cache, d, t, r),
+        lambda dp, old, new, t, r, f: dataclasses.replace(new, draft=observe_j(dp, new.draft, bare(old), t, r, f)),
     )

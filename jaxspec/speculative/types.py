@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 # --------------------------------------------------------------------------
-# A drafter's proposal (protocol: jaxspec.speculative.drafter)
+# A drafter's proposal (protocol: jaxspec.speculative.protocol)
 # --------------------------------------------------------------------------
 
 
@@ -28,6 +28,52 @@ class Proposal(NamedTuple):
     parents: Int[Array, "B N"] | None  # None = chain (parents[i] = i - 1)
     draft_probs: Float[Array, "B N V"] | None  # q each node was drawn from; None = deterministic
     state: Any  # the drafter's new state
+
+
+class FeatureRequest(NamedTuple):
+    """Which target hidden states a drafter reads (a static declaration).
+
+    `layers`: the residual stream ENTERING each listed decoder layer (k in
+    [0, L]; k = L is the last layer's output before the final norm), the
+    EAGLE-3 / vLLM convention. `final_norm`: the final-norm hidden state, the
+    LM head's input (EAGLE-1, MTP, Medusa, the MLP speculator). Features are
+    concatenated in that order: layers first, then the final-norm state.
+    """
+
+    layers: tuple[int, ...] = ()
+    final_norm: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.layers) or self.final_norm
+
+    def width(self, hidden_size: int) -> int:
+        return hidden_size * (len(self.layers) + int(self.final_norm))
+
+
+class TargetOut(NamedTuple):
+    """What a target forward hands the drafter: logits and the requested features."""
+
+    logits: Float[Array, "B T V"]
+    features: Float[Array, "B T F"] | None  # per FeatureRequest; None when none requested
+
+
+class Committed(NamedTuple):
+    """What one verify step committed, as a drafter's `observe` (draft-extend) reads it.
+
+    Column 0 is the old root (cache slot `start`), then the accepted drafts:
+    `tokens[:, :count]` are the tokens now in the target cache at slots
+    start.., `features[:, :count]` their target features, and the bonus
+    token (the new root, not yet in any cache) is `bonus`. Rows that were done
+    before the step have count 0. The same layout describes a prefill chunk
+    (`start` = its first slot, `count` = its length, no bonus yet).
+    """
+
+    tokens: Int[Array, "B W"]
+    features: Float[Array, "B W F"] | None
+    start: Int[Array, "B"]
+    count: Int[Array, "B"]
+    bonus: Int[Array, "B"] | None = None
 
 
 # --------------------------------------------------------------------------

@@ -128,24 +128,24 @@ def make_prefill_fn(cfg: ModelConfig):
 
 
 def make_spec_prefill_fn(cfg: ModelConfig, drafter):
-    """Target prefill, then the loop carry of the speculative loop (and the draft prefill)."""
-    from jaxspec.speculative.loop import SpecState
+    """The whole prompt as one chunk of the shared chunked prefill (target, then
+    the drafter's prefill on the target's features), then the loop carry."""
+    from jaxspec.engine.core import make_chunk_prefill_fn, spec_state
 
-    prefill = make_prefill_fn(cfg)
+    chunk_prefill = make_chunk_prefill_fn(cfg, drafter)
 
     def spec_prefill_fn(params, draft_params, cache, draft_cache, corpus, tokens, prompt_lens, page_table, sampling,
                         max_out):
-        d = prefill(params, cache, tokens, prompt_lens, page_table, sampling, max_out)
         b = tokens.shape[0]
+        cache, draft, first = chunk_prefill(params, draft_params, cache, drafter.init_state(draft_cache, b), tokens,
+                                            jnp.zeros((b,), jnp.int32), prompt_lens, page_table, sampling)
         history = jnp.zeros((b, max_out), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
-        history = history.at[jnp.arange(b), prompt_lens].set(d.last_token, mode="drop")
-        draft = drafter.prefill(draft_params, drafter.init_state(draft_cache, b), tokens, prompt_lens, page_table)
-        return SpecState(
-            cache=d.cache, draft=draft, page_table=page_table, history=history,
-            hist_len=prompt_lens + (prompt_lens > 0).astype(jnp.int32), prompt_lens=prompt_lens,
-            done=d.done, num_verify=jnp.zeros((b,), jnp.int32),
-            accept_lens=jnp.zeros((b, max_out), jnp.int32), sampling=sampling, corpus=corpus,
-        )
+        history = history.at[jnp.arange(b), prompt_lens].set(first, mode="drop")
+        hit_stop = jnp.any(first[:, None] == sampling.stop_ids, axis=-1)
+        done = (prompt_lens == 0) | hit_stop | (sampling.max_new <= 1)
+        return spec_state(cache=cache, draft=draft, page_table=page_table, history=history,
+                          hist_len=prompt_lens + (prompt_lens > 0).astype(jnp.int32), prompt_lens=prompt_lens,
+                          done=done, sampling=sampling, accept_width=max_out, corpus=corpus)
 
     return spec_prefill_fn
 
@@ -238,8 +238,8 @@ class Engine:
         self.last_timing: dict[str, float] = {}
 
     def _init_spec(self, spec, draft, num_pages: int, ngram_corpus, benchmark: bool) -> None:
-        from jaxspec.speculative.algorithm import algorithm_info, validate_spec_config
-        from jaxspec.speculative.drafter import build_drafter, reserve_tokens
+        from jaxspec.speculative.algorithm import validate_spec_config
+        from jaxspec.speculative.drafters import build_drafter, reserve_tokens
         from jaxspec.speculative.loop import SpecPlan, make_spec_decode_fn
 
         plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=benchmark))
@@ -247,31 +247,18 @@ class Engine:
             if plan.algorithm != "ngram":
                 raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
             self.corpus = shd.shard_batch(np.asarray(ngram_corpus, np.int32).reshape(1, -1), self.mesh)
-        dcfg = None
-        if algorithm_info(plan.algorithm).needs_draft_model and draft is not None:
-            dparams, dcfg = draft
-            if self.mesh is not None:
-                shd.validate_for_model(self.mesh, dcfg, "draft model")
-            if dcfg.vocab_size != self.cfg.vocab_size:
-                raise RequestError(
-                    f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
-                    "the draft model must share the target's tokenizer"
-                )
-            self.draft_params = shd.shard_params(prepare_params(dparams, dcfg, unstack=self._unstack,
-                                                                    native=self.native_kernels), dcfg, self.mesh)
+        dparams, dcfg = draft if draft is not None else (None, None)
         try:
             drafter = build_drafter(plan, draft_cfg=dcfg, target_cfg=self.cfg)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        if drafter.needs_draft_cache:
-            if dcfg is None:
-                raise RequestError(f"algorithm {plan.algorithm!r} keeps a draft KV cache but has no draft model")
-            check_cache_fits((dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
-                             self.draft_params["embed"].dtype, self.mesh, "draft KV cache")
-            self.draft_cache = shd.zeros_cache(
-                (dcfg.num_layers, num_pages, self.page_size, dcfg.num_kv_heads, dcfg.head_dim),
-                self.draft_params["embed"].dtype, self.mesh,
-            )
+        self.draft_params = self._draft_params(drafter, dparams, dcfg)
+        ccfg = drafter.draft_cache_cfg
+        if ccfg is not None:
+            dtype = self.params["embed"].dtype
+            shape = (ccfg.num_layers, num_pages, self.page_size, ccfg.num_kv_heads, ccfg.head_dim)
+            check_cache_fits(shape, dtype, self.mesh, "draft KV cache")
+            self.draft_cache = shd.zeros_cache(shape, dtype, self.mesh)
         self._reserve = reserve_tokens(plan, drafter)
         self.draft_cfg = dcfg
         self.spec_plan = plan
@@ -279,6 +266,27 @@ class Engine:
         self._prefill = jax.jit(self.pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),
                                 static_argnums=(9,))
         self._decode = jax.jit(self.pinned(make_spec_decode_fn(plan, self.cfg, drafter)), donate_argnums=(2,))
+
+    def _draft_params(self, drafter, dparams, dcfg) -> dict:
+        """{"own": the drafter's runtime params, "target": the target params it shares}.
+
+        The shared leaves are the target's own device arrays: passing them again
+        as jit arguments copies nothing."""
+        own = None
+        if dparams is not None:
+            if isinstance(dcfg, ModelConfig):
+                if self.mesh is not None:
+                    shd.validate_for_model(self.mesh, dcfg, "draft model")
+                if dcfg.vocab_size != self.cfg.vocab_size:
+                    raise RequestError(
+                        f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
+                        "the draft model must share the target's tokenizer")
+            own = drafter.prepare_params(dparams, native=self.native_kernels, unstack=self._unstack)
+            if isinstance(dcfg, ModelConfig):
+                own = shd.shard_params(own, dcfg, self.mesh)
+            elif self.mesh is not None:
+                own = shd.replicate(own, self.mesh)
+        return {"own": own, "target": {k: self.params[k] for k in drafter.shares_target}}
 
     # ---- mesh --------------------------------------------------------------------
 
@@ -424,18 +432,22 @@ class Engine:
         if self.spec_plan is None:
             raise RequestError("profile_phases needs speculative decoding (spec.algorithm != none)")
         idx, bucket = self.plan(requests)[0]
-        draft, verify, commit = make_phase_fns(self.spec_plan, self.cfg, self.drafter)
+        draft, verify, commit, observe = make_phase_fns(self.spec_plan, self.cfg, self.drafter)
         timer = PhaseTimer()
 
         def decode(params, draft_params, s):
             first = True  # the first iteration compiles the phases: not timed
             while not bool(jax.device_get(jnp.all(s.done))):
-                with timer.phase("draft") if not first else contextlib.nullcontext():
+                timed = (lambda name: timer.phase(name)) if not first else (lambda name: contextlib.nullcontext())
+                with timed("draft"):
                     t, p, q, d = jax.block_until_ready(draft(draft_params, s))
-                with timer.phase("verify") if not first else contextlib.nullcontext():
-                    cache, result = jax.block_until_ready(verify(params, s, t, p, q))
-                with timer.phase("other") if not first else contextlib.nullcontext():
-                    s = jax.block_until_ready(commit(s, cache, d, t, result))
+                with timed("verify"):
+                    cache, result, feats = jax.block_until_ready(verify(params, s, t, p, q))
+                with timed("other"):
+                    new = jax.block_until_ready(commit(s, cache, d, t, result))
+                # The draft-extend is drafting work: it counts as draft time.
+                with timed("draft"):
+                    s = jax.block_until_ready(observe(draft_params, s, new, t, result, feats))
                 first = False
             return s
 
@@ -479,7 +491,9 @@ class Engine:
             t2 = time.perf_counter()
             self.cache = state.cache
             if self.draft_cache is not None:
-                self.draft_cache = state.draft.cache
+                from jaxspec.engine.core import draft_cache_of
+
+                self.draft_cache = draft_cache_of(state.draft)
         finally:
             for sid in seq_ids:
                 self.allocator.free(sid)

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.llama import forward
-from jaxspec.speculative.types import Proposal
+from jaxspec.models.llama import forward, prepare_params
+from jaxspec.speculative.protocol import DrafterBase
+from jaxspec.speculative.types import Committed, Proposal
 from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 
@@ -39,7 +40,7 @@ class DraftState:
 
 
 @dataclasses.dataclass(frozen=True)
-class StandaloneDrafter:
+class StandaloneDrafter(DrafterBase):
     cfg: ModelConfig
     num_steps: int
     topk: int
@@ -50,7 +51,13 @@ class StandaloneDrafter:
     # a deep one still feeds every committed token.
     catch_up_width: int = 0
 
-    needs_draft_cache: bool = True
+    @property
+    def draft_cache_cfg(self) -> ModelConfig:
+        return self.cfg
+
+    @property
+    def provides_draft_probs(self) -> bool:
+        return self.sample_drafts and self.topk == 1
 
     @property
     def max_depth(self) -> int:
@@ -64,18 +71,22 @@ class StandaloneDrafter:
             return max(self.num_draft_tokens - 2, 0)
         return (self.num_steps - 1) * self.topk
 
+    def prepare_params(self, loaded, *, native: bool, unstack) -> dict:
+        return prepare_params(loaded, self.cfg, unstack=unstack, native=native)
+
     def init_state(self, draft_cache: KVCache, batch: int) -> "DraftState":
         return DraftState(cache=draft_cache, draft_len=jnp.zeros((batch,), jnp.int32))
 
-    def prefill(self, params, state: DraftState, tokens, prompt_lens, page_table) -> DraftState:
-        # tokens [B, L]; prompt_lens [B]
-        b, length = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
+    def prefill(self, params, state: DraftState, chunk: Committed, page_table) -> DraftState:
+        # chunk.tokens [B, L] at slots chunk.start..; chunk.count [B] (0 = padding row)
+        b, length = chunk.tokens.shape
+        positions = chunk.start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+        kv_len = chunk.start + chunk.count
         out = forward(
-            params, self.cfg, tokens, positions, state.cache, page_table,
-            q_start=jnp.zeros((b,), jnp.int32), kv_len=prompt_lens, logits_index=jnp.zeros((b, 1), jnp.int32),
+            params["own"], self.cfg, chunk.tokens, positions, state.cache, page_table,
+            q_start=chunk.start, kv_len=kv_len, logits_index=jnp.zeros((b, 1), jnp.int32),
         )
-        return DraftState(cache=out.cache, draft_len=prompt_lens)
+        return DraftState(cache=out.cache, draft_len=kv_len)
 
     def _catch_up(self, params, state, history, hist_len, page_table, live):
         """Feed committed-but-unseen tokens; return logits at the newest one [B, V]."""
@@ -93,6 +104,7 @@ class StandaloneDrafter:
     def propose(self, params, state: DraftState, s) -> Proposal:
         """Catch up on the committed tokens, then draft a chain or a tree for loop state `s`."""
         history, hist_len, page_table = s.history, s.hist_len, s.page_table
+        params = params["own"]
         logits, state = self._catch_up(params, state, history, hist_len, page_table, ~s.done)
         root = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)[:, 0]
         if self.topk == 1:

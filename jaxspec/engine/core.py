@@ -1,0 +1,101 @@
+"""The pieces the batch engine and the server share: one chunked prefill, one
+loop-state builder, and the per-row slicing of drafter state.
+
+Both front ends (`jaxspec.engine.Engine` under `jaxspec.generate`, and
+`jaxspec.serve.runner.ModelRunner` under the server) prefill through
+`make_chunk_prefill_fn` and build the speculative carry with `spec_state`, so
+a drafter sees the same calls whichever front end drives it:
+
+    target forward over the chunk (capturing the drafter's features)
+    -> sample the token at the chunk's end -> drafter.prefill(chunk + features)
+
+Drafter state is a pytree whose leaves are either its paged KV cache (a
+`KVCache`, shared by all rows through the page table) or per-row arrays with
+a leading batch axis. `row_state` / `with_row_state` split the two, which is
+what lets the server keep each sequence's drafter state on device in a slot
+store between calls.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache.paged import KVCache
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import forward
+from jaxspec.speculative.loop import SpecState
+from jaxspec.speculative.sampling import sample_token
+from jaxspec.speculative.types import Committed
+
+
+def make_chunk_prefill_fn(cfg: ModelConfig, drafter):
+    """prefill(params, draft_params, cache, draft_state, tokens [B, L], q_start [B], chunk_lens [B],
+    page_table [B, P], sampling) -> (cache, draft_state, first [B]).
+
+    One chunk of up to L prompt tokens per row at cache slots q_start..
+    (chunk_lens 0 = padding row); `first` is the token sampled at each chunk's
+    end, seeded by its absolute position (what a chunk that finishes the
+    prompt emits). `drafter` may be None (plain decoding).
+    """
+    want = drafter.target_features if drafter is not None else None
+
+    def prefill_fn(params, draft_params, cache, draft_state, tokens, q_start, chunk_lens, page_table, sampling):
+        positions = q_start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        kv_len = q_start + chunk_lens
+        last = jnp.maximum(chunk_lens - 1, 0)[:, None]
+        capture = {} if want is None else dict(capture_layers=want.layers, capture_final=want.final_norm)
+        out = forward(params, cfg, tokens, positions, cache, page_table, q_start=q_start, kv_len=kv_len,
+                      logits_index=last, **capture)
+        first = sample_token(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
+                             sampling.seed, kv_len)
+        if drafter is not None:
+            chunk = Committed(tokens, out.features, q_start, chunk_lens)
+            draft_state = drafter.prefill(draft_params, draft_state, chunk, page_table)
+        return out.cache, draft_state, first.astype(jnp.int32)
+
+    return prefill_fn
+
+
+def spec_state(*, cache, draft, page_table, history, hist_len, prompt_lens, done, sampling, accept_width: int,
+               corpus=None, zeros: Callable = jnp.zeros) -> SpecState:
+    """The speculative loop's carry, with no verify step taken yet.
+
+    `zeros(shape, dtype)` makes the counters: jnp.zeros inside jitted code,
+    np.zeros for host inputs (no device fill op per shape), or
+    jax.ShapeDtypeStruct for lowering.
+    """
+    b = hist_len.shape[0]
+    return SpecState(
+        cache=cache, draft=draft, page_table=page_table, history=history, hist_len=hist_len,
+        prompt_lens=prompt_lens, done=done, num_verify=zeros((b,), jnp.int32),
+        accept_lens=zeros((b, accept_width), jnp.int32), sampling=sampling, corpus=corpus,
+    )
+
+
+# ---- drafter state: the shared cache vs the per-row leaves -------------------------------------------
+
+def _is_cache(x) -> bool:
+    return isinstance(x, KVCache)
+
+
+def row_state(draft):
+    """The drafter state with its KV cache replaced by None: only per-row leaves [B, ...] remain."""
+    return jax.tree.map(lambda x: None if _is_cache(x) else x, draft, is_leaf=_is_cache)
+
+
+def draft_cache_of(draft) -> KVCache | None:
+    found = [x for x in jax.tree.leaves(draft, is_leaf=_is_cache) if _is_cache(x)]
+    return found[0] if found else None
+
+
+def with_row_state(draft_like, rows, cache: KVCache | None):
+    """Rebuild a drafter state from a template (for its structure), per-row leaves and the cache."""
+    flat_rows = iter(jax.tree.leaves(rows))
+
+    def pick(x):
+        return cache if _is_cache(x) else next(flat_rows)
+
+    return jax.tree.map(pick, draft_like, is_leaf=_is_cache)

@@ -1,0 +1,107 @@
+"""What every feature drafter shares: its state, the pending feature, and draft choice.
+
+THE PENDING-FEATURE CONVENTION. A drafter reading target features pairs each
+feature with the token after it: pair i is (h_i, x_{i+1}), where h_i is the
+target's feature at position i (EAGLE trains on these pairs; Medusa and the
+MLP speculator read h alone). At propose time the root x_r (r = hist_len - 1)
+is committed but the target has not run on it yet, so the newest feature is
+h_{r-1}, the one that predicted the root: the drafter state keeps it as
+`pending` [B, F]. A drafter with attention keeps pairs 0 .. r-2 in its own
+paged cache (pair i at slot i, RoPE position i); drafting starts from the pair
+(pending, root) at slot r-1 and never writes the cache. Prefill chunks and
+post-verify `observe` write the pairs that became complete, which is one
+function (`extend_pairs`) because both are "tokens at slots start.. with their
+features": pairs at slots start-1 .. start+count-2 and the new pending feature
+features[count-1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
+from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
+from jaxspec.speculative.types import Committed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FeatureState:
+    cache: KVCache | None  # the head's own paged K/V (1 layer); None for heads without attention
+    pending: jax.Array  # [B, F] target feature at position hist_len - 2 (see the module doc)
+
+
+def next_pending(
+    pending: Float[Array, "B F"],
+    c: Committed,
+) -> Float[Array, "B F"]:
+    """The feature of the newest committed token: features[count - 1] (unchanged where count is 0)."""
+    last = jnp.take_along_axis(c.features, jnp.maximum(c.count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return jnp.where((c.count > 0)[:, None], last.astype(pending.dtype), pending)
+
+
+def pair_inputs(
+    pending: Float[Array, "B F"],
+    c: Committed,
+) -> tuple[Int[Array, "B W"], Float[Array, "B W F"], Int[Array, "B W"], jax.Array]:
+    """(tokens, features, slots, valid) of the pairs a chunk completes: pair j at slot
+    start - 1 + j is (features[j - 1] or pending for j = 0, tokens[j])."""
+    w = c.tokens.shape[1]
+    feats = jnp.concatenate([pending[:, None].astype(c.features.dtype), c.features[:, :-1]], axis=1)
+    j = jnp.arange(w, dtype=jnp.int32)[None, :]
+    slots = c.start[:, None] - 1 + j
+    valid = (j < c.count[:, None]) & (slots >= 0)
+    return c.tokens, feats, jnp.maximum(slots, 0), valid
+
+
+def write_pairs_kv(cache: KVCache, page_table, slots, valid, k, v) -> KVCache:
+    """Scatter the head's K/V [B, W, kvh, hd] for pairs at `slots`; invalid ones hit the null page."""
+    pages, offsets = slot_to_page(page_table, slots, cache.page_size)
+    pages = jnp.where(valid, pages, NULL_PAGE)
+    ck, cv = write_layer_kv(cache.k, cache.v, 0, pages, offsets, k, v)
+    return KVCache(k=ck, v=cv)
+
+
+def choose_draft(
+    logits: Float[Array, "B Vd"],
+    sampling,
+    hist_len: Int[Array, "B"],
+    depth: int,
+    d2t: Int[Array, "Vd"] | None,
+    vocab: int,
+    sample: bool,
+) -> tuple[Int[Array, "B"], Float[Array, "B V"] | None]:
+    """One chain draft from draft logits: (target token id, q over the TARGET vocabulary | None).
+
+    Greedy: the argmax. Sampling (rejection verify): a draw from the request's
+    own temperature / top-k / top-p applied to the draft logits, keyed by the
+    step's draft key, with q returned over the target vocabulary (zero outside a
+    reduced draft vocabulary, which `d2t` maps into it). Greedy rows of a sampled
+    batch get a one-hot q, so they stay exactly greedy.
+    """
+    if not sample:
+        idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (idx if d2t is None else d2t[idx]), None
+    q = target_probs_from_logits(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
+    noise = jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, depth), (q.shape[-1],)))(sampling.seed, hist_len)
+    idx = race_sample(q, noise).astype(jnp.int32)
+    if d2t is None:
+        return idx, q
+    full = jnp.zeros((q.shape[0], vocab), q.dtype).at[:, d2t].set(q)
+    return d2t[idx], full
+
+
+def topk_children(
+    logits: Float[Array, "... Vd"],
+    k: int,
+    d2t: Int[Array, "Vd"] | None,
+) -> tuple[Float[Array, "... K"], Int[Array, "... K"]]:
+    """Top-k (log-prob, target id) of a node's draft distribution (EAGLE-2 expansion)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    scores, idx = jax.lax.top_k(logp, k)
+    idx = idx.astype(jnp.int32)
+    return scores, (idx if d2t is None else d2t[idx])
