@@ -7,6 +7,9 @@ import json
 import pytest
 
 from jaxspec.generate import main
+from tests.heads_fixtures import (
+    add_mtp_layers, write_eagle3_head, write_eagle_head, write_medusa_head, write_mlp_speculator,
+)
 from tests.reference import hf_greedy
 
 ENGINE = ["--set", "engine.length_buckets=16,32,64,128", "--max-context", "128", "--quiet"]
@@ -125,3 +128,60 @@ def test_ngram_corpus_flag_is_used_and_output_stays_exact(tiny_dirs, tmp_path, c
     line = json.loads(out.read_text())
     assert line["output_ids"] == ref
     assert max(line["accept_lengths"]) == 6, "the corpus continuation should be accepted whole"
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tiny_dirs, tmp_path_factory):
+    import shutil
+
+    path, hf = tiny_dirs["llama"]
+    tmp = tmp_path_factory.mktemp("cli_heads")
+    mtp = tmp / "target_mtp"
+    shutil.copytree(path, mtp)
+    add_mtp_layers(mtp, kind="deepseek")
+    return {"eagle": write_eagle_head(tmp / "eagle", hf), "mtp_target": mtp,
+            "eagle3": write_eagle3_head(tmp / "eagle3", hf, layer_ids=[0, 1, 2], convention="input"),
+            "medusa": write_medusa_head(tmp / "medusa", hf, num_heads=3),
+            "mlp_speculator": write_mlp_speculator(tmp / "mlp", hf, n_predict=3)}
+
+
+@pytest.mark.parametrize("alg, flags", [
+    ("eagle3", ["--eagle3-layer-ids", "input"]),
+    ("medusa", ["--topk", "2", "--num-steps", "2", "--num-draft-tokens", "5"]),
+    ("nextn", []),  # the target's own MTP layer (DeepSeek layout), no --draft-model
+    ("mlp_speculator", []),
+])
+def test_feature_drafter_cli_matches_hf(tiny_dirs, head_dirs, tmp_path, capsys, alg, flags):
+    path, hf = tiny_dirs["llama"]
+    prompt = [5, 17, 33, 9, 120]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": prompt}) + "\n")
+    out = tmp_path / "o.jsonl"
+    model = head_dirs["mtp_target"] if alg == "nextn" else path
+    draft = [] if alg == "nextn" else ["--draft-model", str(head_dirs[alg])]
+    code, _, err = run(capsys, "--model", str(model), "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out),
+                       "--max-new-tokens", "14", "--ignore-eos", "--spec", alg, *draft, *flags, *ENGINE)
+    assert code == 0, err
+    line = json.loads(out.read_text())
+    assert line["output_ids"] == hf_greedy(hf, prompt, 14)  # the MTP layers leave the target unchanged
+    assert sum(line["accept_lengths"]) == 13  # every token after prefill's came from a verify step
+    assert f"spec[{alg}]: tau=" in err
+
+
+@pytest.mark.parametrize("case, message", [
+    ("eagle_head", "spec.algorithm='eagle3' drives eagle3 heads, but {eagle} holds a eagle head: use --spec eagle"),
+    ("no_head", "algorithm 'eagle3' needs a draft model: set spec.draft_model"),
+])
+def test_wrong_or_missing_head_is_one_line_error(tiny_dirs, head_dirs, tmp_path, capsys, case, message):
+    path, _ = tiny_dirs["llama"]
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    draft = ["--draft-model", str(head_dirs["eagle"])] if case == "eagle_head" else []
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--spec", "eagle3",
+                       *draft, *ENGINE)
+    assert code == 2 and "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.strip()]
+    message = message.format(eagle=head_dirs["eagle"])
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    # Positive control: the same head under its own algorithm runs.
+    if case == "eagle_head":
+        assert run(capsys, "--model", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--spec", "eagle",
+                   *draft, "--max-new-tokens", "4", *ENGINE)[0] == 0

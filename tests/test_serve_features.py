@@ -1,0 +1,212 @@
+"""Feature drafters (EAGLE-3, Medusa) served: the scheduler without HTTP, and one HTTP smoke test.
+
+References: plain greedy `Engine.generate` of the same tiny target (answers), and an
+independent target forward over each finished sequence (the drafter state).
+
+Greedy verification is lossless whatever the drafts are, so equal answers alone cannot
+show that the per-slot drafter store (`ModelRunner.store`: the pending target feature
+of each sequence) follows its sequence: with random heads acceptance is ~0 and a state
+leak would not even move the acceptance numbers. `StateProbe` checks the store
+directly: after every scheduler step, each running sequence's slot must hold the target
+feature of its newest cached token (position len(tokens) - 2), which a plain forward of
+the finished sequence gives (causal: the feature at p depends on tokens[:p + 1] only).
+Positive control: a scheduler handing every row slot 0 still answers exactly, and the
+probe reports the leak.
+"""
+
+from __future__ import annotations
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache.paged import KVCache
+from jaxspec.config import EngineSection
+from jaxspec.engine import Engine, Request
+from jaxspec.models.llama import forward, prepare_params
+from jaxspec.models.loading import load_model
+from jaxspec.serve.scheduler import Seq, SeqParams, Status
+from jaxspec.serve.server import build_server
+from tests.heads_fixtures import write_eagle3_head, write_medusa_head
+from tests.test_serve_scheduler import NEW, PROMPTS, config
+
+
+@pytest.fixture(scope="module")
+def world(tiny_dirs, tmp_path_factory):
+    path, hf = tiny_dirs["llama"]
+    tmp = tmp_path_factory.mktemp("serve_heads")
+    model = load_model(path, progress=False)
+    engine = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=128,
+                                                              length_buckets=(32, 64, 128)), progress=False)
+    reference = [r.output_ids for r in engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])]
+    return dict(path=path, model=model, reference=reference,
+                eagle3=write_eagle3_head(tmp / "eagle3", hf, layer_ids=[0, 1, 2], convention="input"),
+                medusa=write_medusa_head(tmp / "medusa", hf, num_heads=3))
+
+
+EAGLE3 = lambda w: {"spec.algorithm": "eagle3", "spec.draft_model": str(w["eagle3"]),  # noqa: E731
+                    "spec.eagle3_layer_ids": "input"}
+MEDUSA = lambda w: {"spec.algorithm": "medusa", "spec.draft_model": str(w["medusa"])}  # noqa: E731
+
+
+class StateProbe:
+    """Snapshots (seq, slot, tokens so far, its slot's pending feature) after each step; `mismatches`
+    compares them with the target's own features of the finished sequences."""
+
+    def __init__(self, server, model):
+        self.runner, self.model = server.runner, model
+        self.snaps = []
+
+    def __call__(self, sched):
+        pending = np.asarray(self.runner.store[1].pending)
+        for s in sched.running:
+            self.snaps.append((s, s.slot, len(s.tokens), pending[s.slot].copy()))
+
+    def features(self, seqs):
+        """The target's features at every position of each sequence: one jitted forward over all of
+        them, padded to one shape (causal, so padding after a sequence does not change its features)."""
+        cfg, want = self.model.config, self.runner._drafter.target_features
+        target = prepare_params(self.model.params, cfg, unstack=False)
+        b, t = len(seqs), 128
+        tokens = np.zeros((b, t), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s.tokens)] = s.tokens
+        cache = KVCache.zeros(cfg.num_layers, b * t // 16 + 1, 16, cfg.num_kv_heads, cfg.head_dim)
+        table = np.arange(1, b * t // 16 + 1, dtype=np.int32).reshape(b, t // 16)
+        out = forward(target, cfg, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t), (b, t)), cache,
+                      jnp.asarray(table), q_start=jnp.zeros((b,), jnp.int32), kv_len=jnp.full((b,), t),
+                      capture_layers=want.layers, capture_final=want.final_norm)
+        return {id(s): f for s, f in zip(seqs, np.asarray(out.features))}
+
+    def mismatches(self):
+        feats = self.features(list({id(s): s for s, _, _, _ in self.snaps}.values()))
+        bad = [(s.seq_id, n) for s, _, n, got in self.snaps
+               if not np.allclose(got, feats[id(s)][n - 2], rtol=1e-4, atol=1e-5)]
+        return bad, len(self.snaps)
+
+
+def run_all(server, prompts, new, after_step=None):
+    """Submit everything at once and step until all finish: tokens per prompt, and the sequences."""
+    sched, got, seqs = server.scheduler, {}, []
+    for i, p in enumerate(prompts):
+        seqs.append(Seq(list(p), SeqParams(max_new_tokens=new),
+                        lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
+        sched.submit(seqs[-1])
+    for _ in range(10_000):
+        if all(s.status == Status.FINISHED for s in seqs):
+            break
+        sched.step()
+        if after_step is not None:
+            after_step(sched)
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert server.runner.engine.allocator.num_used == 0
+    return [got[i] for i in range(len(prompts))], seqs
+
+
+# 5 prompts of 1..22 tokens, 4 batch slots: rows join and leave between calls and slots are reused;
+# 25 pages x 4 tokens cannot hold them all with their lookahead: rows get preempted and recomputed.
+@pytest.mark.parametrize("head, spec", [
+    ("eagle3", {"spec.num_draft_tokens": 4}),  # chain of 3
+    ("medusa", {"spec.topk": 2, "spec.num_steps": 2, "spec.num_draft_tokens": 5}),  # fixed tree
+])
+def test_feature_drafter_through_preemption_is_exact(world, head, spec):
+    extra = {**(EAGLE3 if head == "eagle3" else MEDUSA)(world), **spec, "serve.adaptive": False,
+             "engine.num_pages": 25}
+    server = build_server(config(world["path"], **extra), model=world["model"], progress=False)
+    probe = StateProbe(server, world["model"])
+    got, seqs = run_all(server, PROMPTS, NEW, probe)
+    assert got == world["reference"]
+    assert sum(s.num_preemptions for s in seqs) > 0
+    owners = {}
+    for seq, slot, _, _ in probe.snaps:
+        owners.setdefault(slot, set()).add(seq.seq_id)
+    assert len(owners) >= 3 and max(len(o) for o in owners.values()) >= 2  # slots get reused
+    bad, n = probe.mismatches()
+    assert n > 50 and not bad, bad
+
+
+def test_adaptive_k0_calls_keep_the_drafter_state(world):
+    """serve.adaptive with draft lengths (0, 1, 3); the policy is pinned to a schedule with
+    runs of k = 0 calls between k > 0 ones, so a k > 0 call always follows k = 0 calls."""
+    extra = {**EAGLE3(world), "serve.adaptive": True, "serve.adaptive_steps": "0,1,3", "engine.num_pages": 25}
+    server = build_server(config(world["path"], **extra), model=world["model"], progress=False)
+    sched = server.scheduler
+    assert server.runner.candidates == (0, 1, 3) and sched.adaptive is not None
+    schedule, used = [0, 0, 3, 0, 1, 0, 0, 0, 3, 3], []
+
+    def choose(bucket):
+        used.append(schedule[len(used) % len(schedule)])
+        return used[-1]
+
+    sched.adaptive.choose = choose
+    probe = StateProbe(server, world["model"])
+    got, seqs = run_all(server, PROMPTS, NEW, probe)
+    assert got == world["reference"]
+    assert {0, 1, 3} <= set(used) and len(used) > len(schedule)
+    assert sched.adaptive.observed[0]  # the k > 0 calls' acceptance reached the policy
+    bad, n = probe.mismatches()
+    assert n > 50 and not bad, bad
+
+
+def test_state_probe_detects_rows_sharing_one_slot(world):
+    """Positive control: every row gets slot 0. Answers stay exact (greedy verify is lossless),
+    so only the state probe can see the leak, and it does."""
+
+    class OneSlot(list):
+        def pop(self, *_):
+            return 0
+
+        def append(self, _):
+            pass
+
+    server = build_server(config(world["path"], **EAGLE3(world), **{"serve.adaptive": False}),
+                          model=world["model"], progress=False)
+    server.scheduler._free_slots = OneSlot()
+    probe = StateProbe(server, world["model"])
+    got, _ = run_all(server, PROMPTS, NEW, probe)
+    assert got == world["reference"]
+    bad, n = probe.mismatches()
+    assert len(bad) > n // 4, (len(bad), n)
+
+
+# ---- HTTP -------------------------------------------------------------------------------------------
+
+
+def test_http_eagle3_answer_and_acceptance_metrics(chat_model_dir, tmp_path):
+    from jaxspec.serve.app import create_app
+    from jaxspec.serve.launch import ServerThread
+    from tests.serve_util import client, metric, serve_config
+
+    model = load_model(chat_model_dir, progress=False)
+    head = write_eagle3_head(tmp_path / "eagle3", model.config, layer_ids=[0, 1, 2], convention="input")
+    cfg = serve_config(chat_model_dir, **{
+        "spec.algorithm": "eagle3", "spec.draft_model": str(head), "spec.eagle3_layer_ids": "input",
+        "spec.num_draft_tokens": 4, "serve.adaptive": False, "engine.batch_buckets": "1",
+        "engine.max_batch_size": 1, "serve.context_buckets": "128"})
+    server = build_server(cfg, model=model, progress=False)
+    thread = ServerThread(create_app(server)).start()
+    try:
+        server.warm_up()
+        messages = [{"role": "user", "content": "Name three colours."}]
+        r = client(thread.url).chat.completions.create(model=server.model_name, messages=messages, max_tokens=16,
+                                                       temperature=0)
+        ids = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        engine = Engine(model.params, model.config, EngineSection(max_batch_size=1, max_context=256,
+                                                                  length_buckets=(64, 256)), progress=False)
+        want = engine.generate([Request(ids, max_new_tokens=16, stop_token_ids=server.stop_ids)])[0]
+        assert r.choices[0].message.content == model.tokenizer.decode(want.output_ids, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(want.output_ids)
+        # Every token after prefill's was committed by a verify step; one observation per step.
+        n_verify = metric(thread.url, "jaxspec_spec_verify_calls_total")
+        assert metric(thread.url, "jaxspec_spec_accept_length_sum") == len(want.output_ids) - 1
+        assert metric(thread.url, "jaxspec_spec_accept_length_count") == n_verify > 0
+        text = httpx.get(thread.url + "/metrics").text
+        for pos in ("1", "2", "3"):  # per-position acceptance of the 3-token chain
+            assert f'jaxspec_spec_position_acceptance{{position="{pos}"}}' in text
+        assert 'jaxspec_spec_position_acceptance{position="4"}' not in text
+        assert metric(thread.url, "jaxspec_spec_num_draft_tokens") == 3
+    finally:
+        thread.stop()
+        server.shutdown()
