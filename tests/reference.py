@@ -73,7 +73,11 @@ def chi_square_pvalue(counts, probs) -> float:
     assert counts[probs == 0].sum() == 0, "a zero-probability token was sampled"
     expected = probs / probs.sum() * counts.sum()
     big = expected >= 5
-    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    obs, exp = counts[big], expected[big]
+    if (~big).any():  # an empty pooled cell would be 0/0
+        obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
+    if obs.size < 2:
+        return 1.0  # one possible outcome: nothing to test
     return float(stats.chisquare(obs, exp).pvalue)
 
 

@@ -1,4 +1,4 @@
-"""`python -m jaxspec.bench {decode,spec,replay,gpu,serve} ...`: benchmarks that print ratios measured side by side."""
+"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve} ...`: benchmarks that print ratios measured side by side."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import importlib
 import sys
 
 SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu": "jaxspec.bench.gpu",
-          "serve": "jaxspec.bench.serve", "replay": "jaxspec.bench.replay"}
+          "serve": "jaxspec.bench.serve", "replay": "jaxspec.bench.replay",
+          "heads": "jaxspec.bench.heads"}
 
 
 def main(argv=None) -> int:

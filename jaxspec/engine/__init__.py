@@ -242,7 +242,7 @@ class Engine:
         from jaxspec.speculative.drafters import build_drafter, reserve_tokens
         from jaxspec.speculative.loop import SpecPlan, make_spec_decode_fn
 
-        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=benchmark))
+        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=benchmark, draft_given=draft is not None))
         if ngram_corpus is not None:
             if plan.algorithm != "ngram":
                 raise RequestError("an n-gram corpus needs spec.algorithm = ngram")

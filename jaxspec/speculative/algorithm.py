@@ -280,7 +280,7 @@ def _has_builtin_default(name: str, s: SpecSection) -> bool:
 
 
 def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
-                    benchmark: bool) -> list[tuple[bool, str]]:
+                    benchmark: bool, draft_given: bool = False) -> list[tuple[bool, str]]:
     """Cross-field checks for a speculative algorithm, in reporting order."""
     checks: list[tuple[bool, str]] = [
         (s.num_draft_tokens >= 2,
@@ -289,7 +289,7 @@ def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
         (s.topk == 1 or info.supports_tree,
          f"spec.topk={s.topk} needs a tree drafter, but algorithm {name!r} drafts chains "
          f"only; use spec.topk=1"),
-        (not info.needs_draft_model or bool(s.draft_model) or _has_builtin_default(name, s),
+        (not info.needs_draft_model or draft_given or bool(s.draft_model) or _has_builtin_default(name, s),
          f"algorithm {name!r} needs a draft model: set spec.draft_model" + (
              ", or spec.draft_layers > 0 to draft with the target's first layers" if name == "standalone"
              else " (a head directory in its published format)")),
@@ -308,13 +308,15 @@ def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
     return checks
 
 
-def validate_spec_config(spec: SpecSection, *, benchmark: bool = False) -> SpecSection:
+def validate_spec_config(spec: SpecSection, *, benchmark: bool = False, draft_given: bool = False) -> SpecSection:
     """Check [spec] up front; return it with `algorithm` canonicalised.
 
     Raises SpecConfigError naming the field at the first problem. With
     algorithm "none" only field ranges are checked (the drafter fields are
     unused), except that simulate_accept_length needs a drafter. benchmark=True
     is the bench harness: it alone may set simulate_accept_length > 0.
+    draft_given: the caller holds draft weights already (an Engine built with
+    `draft=`), so spec.draft_model need not name them.
     """
     try:
         name = canonical_name(spec.algorithm)
@@ -335,7 +337,7 @@ def validate_spec_config(spec: SpecSection, *, benchmark: bool = False) -> SpecS
                 check_draft_config(spec.num_steps, spec.topk, spec.num_draft_tokens)
         except ValueError as e:
             raise SpecConfigError(f"spec.num_draft_tokens: {e}") from None
-        checks = _drafter_checks(spec, name, info, benchmark)
+        checks = _drafter_checks(spec, name, info, benchmark, draft_given)
     else:
         checks.append((spec.simulate_accept_length == 0,
                        "spec.simulate_accept_length > 0 needs a speculative algorithm "
