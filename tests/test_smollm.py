@@ -1,7 +1,7 @@
 """The embedded SmolLM2-135M-Instruct against Hugging Face (float32, CPU).
 
 Slow-ish (the real model): greedy tokens for 6 chat prompts x 64 tokens, logits,
-and speculative greedy decoding (n-gram and the truncated-target drafter).
+and speculative greedy decoding (n-gram, the truncated-target drafter, random EAGLE/EAGLE-3 heads).
 """
 
 from __future__ import annotations
@@ -70,13 +70,24 @@ def test_greedy_matches_hf_six_prompts(smollm, smollm_hf, prompts, hf_refs):
     [
         dict(algorithm="ngram", topk=1, num_steps=7, num_draft_tokens=8),
         dict(algorithm="standalone", topk=2, num_steps=3, num_draft_tokens=6, draft_layers=20),
+        # Random-weight heads on the real target: layer ids 2/15/27, a reduced vocabulary,
+        # the native packed matmuls; exactness must not depend on the head being any good.
+        dict(algorithm="eagle3", topk=1, num_steps=4, num_draft_tokens=5),
+        dict(algorithm="eagle3", topk=3, num_steps=3, num_draft_tokens=8),
+        dict(algorithm="eagle", topk=1, num_steps=3, num_draft_tokens=4),
     ],
-    ids=["ngram-chain", "truncated-tree"],
+    ids=["ngram-chain", "truncated-tree", "eagle3-chain", "eagle3-tree", "eagle-chain"],
 )
 def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec_kw):
+    from jaxspec.models.heads.init import head_config, init_head_params
+
     draft = None
     if spec_kw["algorithm"] == "standalone":
         draft = truncate_layers(smollm.params, smollm.config, spec_kw["draft_layers"])
+    elif spec_kw["algorithm"] in ("eagle", "eagle3"):
+        hcfg = head_config(spec_kw["algorithm"], smollm.config, draft_vocab_size=8192)
+        assert hcfg.kind != "eagle3" or hcfg.feature_layers == (2, 15, 27)
+        draft = init_head_params(hcfg, seed=1), hcfg
     engine = Engine(smollm.params, smollm.config, ENGINE, progress=False, spec=SpecSection(**spec_kw), draft=draft)
     results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts[:3]])
     for p, res, ref in zip(prompts, results, hf_refs):
