@@ -223,8 +223,8 @@ def test_greedy_equals_plain(world, plain, alg, topk, steps, n, page_size, batch
 
 
 def test_second_request_compiles_nothing(world):
-    for alg in ("eagle3", "medusa"):
-        spec = spec_for(alg, world.heads[alg], 2, 2, 5)
+    for alg in ("eagle", "eagle3", "medusa", "mlp_speculator"):
+        spec = spec_for(alg, world.heads[alg], 1 if alg == "mlp_speculator" else 2, 2, 5 if alg != "mlp_speculator" else 3)
         draft = load_draft(spec, world.model, jnp.float32, progress=False)
         engine = Engine(world.model.params, world.model.config, ecfg(16, 4), progress=False, spec=spec, draft=draft)
         engine.generate(REQS)
