@@ -6,9 +6,9 @@
 
 Run directory: train_config.json, draft_vocab.npy (EAGLE-3), log.jsonl (one line per log or eval
 step), checkpoints/<step>/ (orbax: state + meta), head/ (the exported head, published format),
-curves.png (`plot`, jaxspec/train/evaluate.py, with engine τ). Resuming restores state and the data position, and replays the same batch
-order (each epoch's order is a function of (seed, epoch)), so a resumed run equals an
-uninterrupted one exactly.
+curves.png (`plot`; it and engine τ live in jaxspec/train/evaluate.py). Resuming restores state
+and the data position, and replays the same batch order (each epoch's order is a function of
+(seed, epoch)), so a resumed run equals an uninterrupted one exactly.
 """
 
 from __future__ import annotations
