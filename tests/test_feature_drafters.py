@@ -27,7 +27,7 @@ import pytest
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request, RequestError
-from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, prepare_head_params, project_features
+from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, project_features
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
 from jaxspec.speculative.drafters import build_drafter

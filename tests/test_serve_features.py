@@ -26,10 +26,9 @@ from jaxspec.config import EngineSection
 from jaxspec.engine import Engine, Request
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
-from jaxspec.serve.scheduler import Seq, SeqParams, Status
 from jaxspec.serve.server import build_server
 from tests.heads_fixtures import write_eagle3_head, write_medusa_head
-from tests.test_serve_scheduler import NEW, PROMPTS, config
+from tests.test_serve_scheduler import NEW, PROMPTS, config, run_all
 
 
 @pytest.fixture(scope="module")
@@ -84,24 +83,6 @@ class StateProbe:
         bad = [(s.seq_id, n) for s, _, n, got in self.snaps
                if not np.allclose(got, feats[id(s)][n - 2], rtol=1e-4, atol=1e-5)]
         return bad, len(self.snaps)
-
-
-def run_all(server, prompts, new, after_step=None):
-    """Submit everything at once and step until all finish: tokens per prompt, and the sequences."""
-    sched, got, seqs = server.scheduler, {}, []
-    for i, p in enumerate(prompts):
-        seqs.append(Seq(list(p), SeqParams(max_new_tokens=new),
-                        lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
-        sched.submit(seqs[-1])
-    for _ in range(10_000):
-        if all(s.status == Status.FINISHED for s in seqs):
-            break
-        sched.step()
-        if after_step is not None:
-            after_step(sched)
-    assert all(s.finish_reason == "length" for s in seqs)
-    assert server.runner.engine.allocator.num_used == 0
-    return [got[i] for i in range(len(prompts))], seqs
 
 
 # 5 prompts of 1..22 tokens, 4 batch slots: rows join and leave between calls and slots are reused;

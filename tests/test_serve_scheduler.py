@@ -18,8 +18,9 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 
 NEW = 40
 
 
-def run_all(server, prompts, new):
-    """Submit everything at once and step the scheduler until all finish; tokens per prompt."""
+def run_all(server, prompts, new, after_step=None):
+    """Submit everything at once and step the scheduler until all finish: tokens per prompt, and the
+    sequences. `after_step(scheduler)` runs after every step (state probes)."""
     sched, got, seqs = server.scheduler, {}, []
     for i, p in enumerate(prompts):
         seqs.append(Seq(list(p), SeqParams(max_new_tokens=new),
@@ -29,7 +30,10 @@ def run_all(server, prompts, new):
         if all(s.status == Status.FINISHED for s in seqs):
             break
         sched.step()
+        if after_step is not None:
+            after_step(sched)
     assert all(s.finish_reason == "length" for s in seqs)
+    assert server.runner.engine.allocator.num_used == 0  # every page back
     return [got[i] for i in range(len(prompts))], seqs
 
 

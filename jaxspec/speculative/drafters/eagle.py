@@ -31,7 +31,7 @@ from jaxspec.cache.attention import attention_with_block_ref
 from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, prepare_head_params, project_features
 from jaxspec.models.heads.config import HeadConfig
 from jaxspec.speculative.drafters.features import (
-    FeatureState, choose_draft, next_pending, pair_inputs, topk_children, write_pairs_kv,
+    FeatureState, chain_proposal, choose_draft, next_pending, pair_inputs, topk_children, write_pairs_kv,
 )
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
@@ -122,13 +122,13 @@ class EagleDrafter(DrafterBase):
 
     def _chain(self, params, state, s, root, out, bk, bv, prefix, d2t):
         n = self.num_draft_tokens
-        tokens, qs = [root], []
+        drafts, qs = [], []
         h = out.h
         logits = out.logits[:, -1]
         for depth in range(1, n):
             tok, q = choose_draft(logits, s.sampling, s.hist_len, depth, d2t, self.head.layer.vocab_size,
                                   self.sample_drafts)
-            tokens.append(tok)
+            drafts.append(tok)
             qs.append(q)
             if depth < n - 1:
                 u = bk.shape[1] + 1
@@ -136,10 +136,7 @@ class EagleDrafter(DrafterBase):
                 out, bk, bv = self._step(params, tok[:, None], h[:, -1:], (prefix + depth)[:, None], prefix, bk, bv,
                                          mask, s.page_table, state.cache)
                 h, logits = out.h, out.logits[:, -1]
-        draft_probs = None
-        if self.sample_drafts and qs:
-            draft_probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; root unused
-        return Proposal(jnp.stack(tokens, axis=1), None, draft_probs, state)
+        return chain_proposal(root, drafts, qs, self.sample_drafts, state)
 
     def _tree(self, params, state, s, root, out, bk, bv, prefix, d2t):
         k, steps, b = self.topk, self.num_steps, root.shape[0]

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
 from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
-from jaxspec.speculative.types import Committed
+from jaxspec.speculative.types import Committed, Proposal
 
 
 @jax.tree_util.register_dataclass
@@ -115,3 +115,11 @@ def topk_children(
     scores, idx = jax.lax.top_k(logp, k)
     idx = idx.astype(jnp.int32)
     return scores, (idx if d2t is None else d2t[idx])
+
+
+def chain_proposal(root, drafts: list, qs: list, sampled: bool, state) -> Proposal:
+    """A chain Proposal from the root [B] and per-depth drafts [B] with their q [B, V] (or None)."""
+    probs = None
+    if sampled and qs:
+        probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; the root's row is unused
+    return Proposal(jnp.stack([root] + drafts, axis=1), None, probs, state)

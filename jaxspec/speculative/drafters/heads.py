@@ -32,7 +32,7 @@ from jaxspec.models.heads.config import HeadConfig
 from jaxspec.models.heads.medusa import medusa_logits, medusa_tree_from_choices
 from jaxspec.models.heads.mlp_speculator import mlp_speculator_init_state, mlp_speculator_step
 from jaxspec.models.heads.attn_head import prepare_head_params
-from jaxspec.speculative.drafters.features import FeatureState, choose_draft, next_pending
+from jaxspec.speculative.drafters.features import FeatureState, chain_proposal, choose_draft, next_pending
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
 
@@ -114,16 +114,9 @@ class MedusaDrafter(_PendingOnly):
         logits = medusa_logits(params["own"], self.head, params["target"], state.pending)  # [B, heads, V]
         n = self.num_draft_tokens
         if self.topk == 1:
-            tokens, qs = [root], []
-            for depth in range(1, n):
-                tok, q = choose_draft(logits[:, depth - 1], s.sampling, s.hist_len, depth, None,
-                                      logits.shape[-1], self.sample_drafts)
-                tokens.append(tok)
-                qs.append(q)
-            probs = None
-            if self.sample_drafts and qs:
-                probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)
-            return Proposal(jnp.stack(tokens, 1), None, probs, state)
+            draws = [choose_draft(logits[:, depth - 1], s.sampling, s.hist_len, depth, None, logits.shape[-1],
+                                  self.sample_drafts) for depth in range(1, n)]
+            return chain_proposal(root, [t for t, _ in draws], [q for _, q in draws], self.sample_drafts, state)
         parents, ranks, depths = (np.asarray(x, np.int32) for x in self.tree)
         _, top = jax.lax.top_k(logits, self.topk)  # [B, heads, K]
         nodes = top[:, np.maximum(depths[1:] - 1, 0), ranks[1:]].astype(jnp.int32)  # [B, N-1]
@@ -151,13 +144,10 @@ class MLPSpeculatorDrafter(_PendingOnly):
         own = params["own"]
         root = jnp.take_along_axis(s.history, jnp.maximum(s.hist_len - 1, 0)[:, None], axis=1)[:, 0]
         st = mlp_speculator_init_state(own, self.head, state.pending)
-        tokens, qs, tok = [root], [], root
+        drafts, qs, tok = [], [], root
         for i in range(self.num_draft_tokens - 1):
             st, logits = mlp_speculator_step(own, self.head, st, tok, i)
             tok, q = choose_draft(logits, s.sampling, s.hist_len, i + 1, None, logits.shape[-1], self.sample_drafts)
-            tokens.append(tok)
+            drafts.append(tok)
             qs.append(q)
-        probs = None
-        if self.sample_drafts and qs:
-            probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)
-        return Proposal(jnp.stack(tokens, 1), None, probs, state)
+        return chain_proposal(root, drafts, qs, self.sample_drafts, state)
