@@ -222,16 +222,20 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return cfg.validate()
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a dict; ConfigValueError naming the file when it is missing or invalid."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigValueError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigValueError(f"{path}: invalid TOML: {e}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
                 base: Config | None = None) -> Config:
     """`base` (default: Config()) < the TOML file < `overrides`."""
     cfg = base or Config()
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigValueError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigValueError(f"{path}: invalid TOML: {e}") from None
-        cfg = apply_overrides(cfg, data)
+        cfg = apply_overrides(cfg, read_toml(path))
     return apply_overrides(cfg, overrides or {})

@@ -265,3 +265,20 @@ def test_medusa_tree_choices(world):
     with pytest.raises(RequestError, match="tree_choices"):
         Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=bad,
                draft=load_draft(bad, world.model, jnp.float32, progress=False))
+
+
+def test_draft_model_default_picks_the_shipped_head(world, tmp_path, monkeypatch):
+    """`--draft-model default` reads checkpoints/<shipped name>; absent, or for an algorithm without a
+    shipped head, the error names the path or the algorithms that have one."""
+    import jaxspec.paths as paths
+
+    monkeypatch.setattr(paths, "checkpoints_dir", lambda: tmp_path)
+    spec = spec_for("eagle3", "default", 1, 3, 4)
+    with pytest.raises(ValueError, match=r"shipped eagle3 head is not at .*eagle3-smollm2-135m"):
+        load_draft(spec, world.model, jnp.float32, progress=False)
+    with pytest.raises(ValueError, match="no head ships for --spec mlp_speculator; shipped: eagle3, medusa"):
+        load_draft(spec_for("mlp_speculator", "default", 1, 3, 4), world.model, jnp.float32, progress=False)
+    # Positive control: a head in the shipped place loads, read as SpecForge writes layer ids.
+    write_eagle3_head(tmp_path / paths.SHIPPED_HEADS["eagle3"], world.hf, layer_ids=[1, 2, 2], convention="output")
+    params, hcfg = load_draft(spec, world.model, jnp.float32, progress=False)
+    assert hcfg.kind == "eagle3" and hcfg.feature_layers == (1, 2, 2)

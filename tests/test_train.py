@@ -365,7 +365,6 @@ def test_cli_reads_a_feature_cache(world, tmp_path, capsys):
 
 
 def test_plot(tmp_path):
-    pytest.importorskip("matplotlib")  # not a declared dependency: plot() imports it lazily
     from jaxspec.train.__main__ import main
 
     lines = [{"step": s, "loss": 10.0 / s, "acc": [0.1 * s, 0.05 * s], "eval": {"tau": 1 + 0.1 * s}} for s in (1, 2, 3)]

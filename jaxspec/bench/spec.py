@@ -111,6 +111,29 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15, cpu_kernels: str 
     return out
 
 
+def shipped_head_methods(model) -> dict:
+    """Rows for the heads shipped in checkpoints/ (`--draft-model default`), when present."""
+    from jaxspec.config import SpecSection
+    from jaxspec.paths import SHIPPED_HEADS, shipped_head
+    from jaxspec.speculative.drafters.load import load_draft
+
+    shapes = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),
+                         ("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
+                         ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
+              "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5))]}
+    out = {}
+    for alg in SHIPPED_HEADS:
+        try:
+            shipped_head(alg)
+        except FileNotFoundError:
+            continue
+        for label, shape in shapes.get(alg, []):
+            kw = dict(algorithm=alg, draft_model="default", **shape)
+            out[f"jaxspec {alg} {label} (shipped head)"] = (kw, load_draft(SpecSection(**kw), model, jnp.float32,
+                                                                          progress=False))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxspec.bench spec")
     p.add_argument("--model", default="default")
@@ -150,6 +173,7 @@ def main(argv=None) -> int:
         "jaxspec n-gram tree 16": (ngram_tree, None),
         f"jaxspec truncated-{args.draft_layers} chain k=3": (trunc, draft),
     }
+    methods.update(shipped_head_methods(model))
     engines = {name: engine_for(model, kw, d) for name, (kw, d) in methods.items()}
     hf = None
     if not args.no_hf:

@@ -89,17 +89,12 @@ _FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "
 
 def train_config(path=None, overrides: dict[str, Any] | None = None, *, base: TrainConfig | None = None) -> TrainConfig:
     """`base` < a TOML file (top-level keys or a [train] table) < overrides ("key" or "train.key")."""
-    import tomllib
+    from jaxspec.config import read_toml
 
     cfg = base or TrainConfig()
     values: dict[str, Any] = {}
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigValueError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigValueError(f"{path}: invalid TOML: {e}") from None
+        data = read_toml(path)
         values.update(data.pop("train", {}))
         values.update(data)
     for k, v in (overrides or {}).items():

@@ -46,7 +46,15 @@ def load_draft(spec, model, dtype, *, cache_dir: str | None = None, progress: bo
         return None
     from jaxspec.models.heads.loading import load_draft_head, load_mtp_head
 
-    if spec.draft_model:
+    if spec.draft_model == "default":  # the head shipped for the embedded model
+        from jaxspec.paths import shipped_head
+
+        try:
+            path = shipped_head(name)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+        head = load_draft_head(path, model.config, aux_layer_convention="output", dtype=dtype)
+    elif spec.draft_model:
         head = load_draft_head(Path(spec.draft_model).expanduser(), model.config,
                                aux_layer_convention=spec.eagle3_layer_ids, dtype=dtype)
     else:  # eagle without a head directory: the target's own MTP layers (NEXTN)
