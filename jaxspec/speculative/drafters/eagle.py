@@ -90,19 +90,17 @@ class EagleDrafter(DrafterBase):
         """One head step over T new nodes; the block holds every in-flight node's K/V (the new
         ones last) and mask [B, T, U] says which of them each new node sees."""
         own, shared = params["own"], params["target"]
-        new_k = []
+        block = []  # the in-flight K/V with the new nodes appended, as attend built it
 
         def attend(q, k, v):
-            new_k.append((k, v))
             ks = k if block_k is None else jnp.concatenate([block_k, k], axis=1)
             vs = v if block_v is None else jnp.concatenate([block_v, v], axis=1)
+            block.append((ks, vs))
             return attention_with_block_ref(q, cache.k[0], cache.v[0], page_table, prefix, ks, vs, mask,
                                             scale=self.head.layer.head_dim ** -0.5)
 
         out = attn_head_step(own, self.head, shared, tokens, h, positions, attend)
-        k, v = new_k[0]
-        ks = k if block_k is None else jnp.concatenate([block_k, k], axis=1)
-        vs = v if block_v is None else jnp.concatenate([block_v, v], axis=1)
+        ks, vs = block[0]
         return out, ks, vs
 
     def propose(self, params, state: FeatureState, s) -> Proposal:
@@ -146,7 +144,7 @@ class EagleDrafter(DrafterBase):
         step_tokens, step_scores = [tok0], [sc0]
         step_frontier = [jnp.zeros((b, k), jnp.int32)]
         node_h = out.h  # [B, U, H] fed-back state of every in-flight node (node 0: the root pair)
-        node_parent = jnp.full((b, 1), -1, jnp.int32)  # in-flight index of each node's parent
+        anc = jnp.ones((b, 1, 1), bool)  # [B, U, U] ancestor-or-self among in-flight nodes
         prev_nodes = jnp.zeros((b, k), jnp.int32)  # in-flight index of each frontier row's node
         for step in range(1, steps):
             # 2. Feed the K best candidates of the previous step (flat f*K + c).
@@ -156,8 +154,10 @@ class EagleDrafter(DrafterBase):
             fed_sc = jnp.take_along_axis(step_scores[-1].reshape(b, k * k), front, axis=1)
             parent = jnp.take_along_axis(prev_nodes, front // k, axis=1)  # [B, K] in-flight index
             u0 = node_h.shape[1]
-            node_parent = jnp.concatenate([node_parent, parent], axis=1)
-            mask = _ancestors(node_parent)[:, u0:]  # [B, K, U0 + K]
+            # A new node sees its parent's ancestors and itself: its row is built from the parent's.
+            anc = jnp.pad(anc, ((0, 0), (0, 0), (0, k)))
+            mask = jnp.take_along_axis(anc, parent[:, :, None], axis=1) | jnp.eye(k, u0 + k, u0, dtype=bool)[None]
+            anc = jnp.concatenate([anc, mask], axis=1)  # mask: [B, K, U0 + K]
             h_in = jnp.take_along_axis(node_h, parent[:, :, None], axis=1)
             pos = jnp.broadcast_to(prefix[:, None] + step, (b, k))
             out, bk, bv = self._step(params, jnp.maximum(fed_tok, 0), h_in, pos, prefix,
@@ -175,13 +175,3 @@ class EagleDrafter(DrafterBase):
         )
         return Proposal(tokens, parents, None, state)
 
-
-def _ancestors(parents: jax.Array) -> jax.Array:
-    """[B, U, U] ancestor-or-self of in-flight nodes; parents [B, U] (-1 = none), parent before child."""
-    b, u = parents.shape
-    mask = jnp.eye(u, dtype=bool)[None].repeat(b, 0)
-    for i in range(u):  # parents come first, so one pass in index order closes the relation
-        p = parents[:, i]
-        inherited = jnp.take_along_axis(mask, jnp.maximum(p, 0)[:, None, None].repeat(u, 2), axis=1)[:, 0]
-        mask = mask.at[:, i].set(mask[:, i] | (inherited & (p >= 0)[:, None]))
-    return mask
