@@ -222,9 +222,12 @@ def test_resume_refuses_a_changed_config(world):
 # ---- 4. EAGLE-1, Medusa; export round trips ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "medusa"])
+@pytest.mark.parametrize("drafter", ["eagle", "medusa", "medusa_target"])
 def test_eagle1_and_medusa_losses_fall(world, drafter):
-    model, cfg = world["model"], small(drafter=drafter, total_steps=200, log_every=50)
+    # medusa_target: the frozen target LM head under every head (what ships: a few MB, not 4 x V x H)
+    head = "target" if drafter == "medusa_target" else "own"
+    drafter = drafter.removesuffix("_target")
+    model, cfg = world["model"], small(drafter=drafter, total_steps=200, log_every=50, medusa_head=head)
     rows = world["train"].rows
     fixed = [{k: v[i * 64:(i + 1) * 64] for k, v in rows.items()} for i in range(2)]  # the same rows before/after
     hcfg = tr.make_head_config(cfg, model.config)
@@ -234,11 +237,16 @@ def test_eagle1_and_medusa_losses_fall(world, drafter):
     run = world["tmp"].mktemp(drafter)
     res = tr.train(cfg, model, world["train"], run, progress=False)
     after = evaluate(res.params)
-    assert after["heldout_loss"] < 0.7 * before["heldout_loss"], (before, after)
-    assert after["heldout_acc"][0] > before["heldout_acc"][0] + 0.1, (before, after)
+    # The frozen-LM-head variant trains one ResBlock per head: less capacity, smaller (real) gains.
+    fall, rise = (0.8, 0.05) if head == "target" else (0.7, 0.1)
+    assert after["heldout_loss"] < fall * before["heldout_loss"], (before, after)
+    assert after["heldout_acc"][0] > before["heldout_acc"][0] + rise, (before, after)
     assert len(after["heldout_acc"]) == (3 if drafter == "medusa" else 1)
     loaded = load_draft_head(run / "head", model.config)
     assert loaded.config.kind == drafter and evaluate(L.trainable(loaded.params)) == after
+    if head == "target":
+        assert "lm_head" not in loaded.params and loaded.config.medusa_version == "2"
+        assert json.loads((run / "head" / "config.json").read_text())["version"] == "2"
 
 
 def _perturbed(params, seed):
@@ -279,6 +287,31 @@ def test_export_round_trip(world, kind, tmp_path):
             assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # output convention
             assert written["architectures"] == ["LlamaForCausalLMEagle3"]
     np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+
+
+def test_data_parallel_equals_one_device(tmp_path):
+    """data_parallel = 4 on 4 host devices trains to the single-device weights (a subprocess: the
+    host device count is fixed when JAX starts)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = tmp_path / "dp.json"
+    proc = subprocess.run([sys.executable, str(root / "tests" / "train_dp_worker.py"), str(out)], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    for kind in ("eagle3", "medusa"):
+        r = rep[kind]
+        assert r["batch_devices"] == 4 and r["param_devices"] == 4, r  # rows really split over "data"
+        assert r["max_rel_diff"] < 1e-4, r
+        assert r["moved"] > 1e-3, r  # the weights trained: equality is not of two untouched inits
+    assert "exceeds the 4 visible devices" in rep["too_many"]
+    with pytest.raises(ConfigValueError, match="multiple of data_parallel"):
+        small(batch_size=6, data_parallel=4).validate()
 
 
 # ---- 5. config and CLI ------------------------------------------------------------------------------

@@ -559,8 +559,10 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
                  temperature: float = 0.8, max_len: int = 1024, feature_request: FeatureRequest | None = None,
                  batch: int = 16, progress: bool = True, resume: bool = True, seed: int = 0,
                  heldout_fraction: float = 0.02, sharegpt: str | Path | None = None, model=None,
-                 shard_conversations: int = 64, max_new_tokens: int | None = None) -> FeatureCache:
-    """The CLI's entry: load the target, build (or resume) the train-split cache in `out_dir`.
+                 shard_conversations: int = 64, max_new_tokens: int | None = None,
+                 split: str = "train") -> FeatureCache:
+    """The CLI's entry: load the target, build (or resume) the cache of one ShareGPT split
+    ('train', or 'heldout' for evaluation sets training never sees) in `out_dir`.
     `feature_request` default: EAGLE-3's layers plus the final-norm state."""
     from jaxspec.models.loading import load_model
 
@@ -578,7 +580,7 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
         stops = stop_token_ids(model)
     else:
         stops = None
-    convs = sharegpt_conversations("train", path=sharegpt, heldout_fraction=heldout_fraction)
+    convs = sharegpt_conversations(split, path=sharegpt, heldout_fraction=heldout_fraction)
     return build_cache(out_dir, convs, model.params, cfg, model.tokenizer, target=target, request=request,
                        num_conversations=num_conversations, max_len=max_len, source=source,
                        temperature=temperature, seed=seed, engine=engine, batch=min(batch, 8), resume=resume,

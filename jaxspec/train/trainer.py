@@ -48,6 +48,11 @@ class TrainConfig:
     feature_layers: tuple[int, ...] = ()  # EAGLE-3 "entering layer k" ids; () = (2, L//2, L-3)
     num_medusa_heads: int = 4
     medusa_labels: str = "argmax"  # or "tokens"
+    # "own": a trained LM head per Medusa head (Medusa-1; 4 x V x H weights, 226 MB in bf16 for
+    # SmolLM2); "target": the frozen target LM head serves every head (exported as version "2",
+    # the ResBlocks alone: a few MB)
+    medusa_head: str = "own"
+    data_parallel: int = 1  # devices on a "data" mesh axis: batch rows split, params replicated
     eagle_noise: float = 0.2
     eagle_ploss_weight: float = 0.1
     b1: float = 0.9
@@ -69,6 +74,9 @@ class TrainConfig:
             (self.ttt_length >= 1, "ttt_length >= 1"), (self.draft_vocab_size >= 1, "draft_vocab_size >= 1"),
             (self.num_medusa_heads >= 1, "num_medusa_heads >= 1"), (self.clip_norm > 0, "clip_norm > 0"),
             (self.medusa_labels in ("argmax", "tokens"), "medusa_labels must be argmax or tokens"),
+            (self.medusa_head in ("own", "target"), "medusa_head must be own or target"),
+            (self.data_parallel >= 1 and self.batch_size % self.data_parallel == 0,
+             f"batch_size {self.batch_size} must be a multiple of data_parallel {self.data_parallel}"),
             (self.log_every >= 1 and self.save_every >= 1 and self.eval_every >= 0, "intervals must be >= 1"),
             (len(self.feature_layers) in (0, 3), "feature_layers: three layer ids or none"),
         ]
@@ -84,7 +92,8 @@ class TrainConfig:
 
 
 # What must not change between a run and its resume (the rest, e.g. intervals or total_steps, may).
-_FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "batch_size", "max_len", "seed")
+_FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "medusa_head", "batch_size",
+          "max_len", "seed")
 
 
 def train_config(path=None, overrides: dict[str, Any] | None = None, *, base: TrainConfig | None = None) -> TrainConfig:
@@ -223,8 +232,11 @@ def shared_target(target, draft_ids=None) -> dict:
 
 def make_head_config(cfg: TrainConfig, target_cfg):
     dv = min(cfg.draft_vocab_size, target_cfg.vocab_size)
-    return head_config(cfg.drafter, target_cfg, draft_vocab_size=dv, num_heads=cfg.num_medusa_heads,
+    hcfg = head_config(cfg.drafter, target_cfg, draft_vocab_size=dv, num_heads=cfg.num_medusa_heads,
                        feature_layers=tuple(cfg.feature_layers) or None)
+    if cfg.drafter == "medusa" and cfg.medusa_head == "target":
+        hcfg = dataclasses.replace(hcfg, own_head=False, medusa_version="2")
+    return hcfg
 
 
 def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None) -> dict:
@@ -239,7 +251,10 @@ def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None) -> dict:
         p["lm_head"] = jnp.asarray((rng.standard_normal((dv, h)) / np.sqrt(h)).astype(np.float32))
     elif hcfg.kind == "medusa":
         head = np.asarray(shared["head"], np.float32)  # [H, V]
-        p["lm_head"] = [jnp.asarray(head.T) for _ in p["lm_head"]]
+        if hcfg.own_head:
+            p["lm_head"] = [jnp.asarray(head.T) for _ in p["lm_head"]]
+        else:
+            del p["lm_head"]
         p["res_w"] = [[jnp.zeros_like(w) for w in ws] for ws in p["res_w"]]
     return p
 
@@ -279,6 +294,27 @@ def make_train_step(loss_fn, tx, sched, hcfg, lcfg: LossConfig):
         return {"params": params, "opt": opt, "step": state["step"] + 1, "rng": rng}, metrics
 
     return jax.jit(step, donate_argnums=(0,))
+
+
+def data_mesh(n: int):
+    """A 1-D ("data",) mesh over the first n devices, or None for n = 1. Rows of a batch are split
+    over it and the head is replicated, so GSPMD turns the loss's means into all-reduces and the
+    gradients come out summed over every shard's rows (the single-device step, reordered)."""
+    if n == 1:
+        return None
+    devices = jax.devices()
+    if n > len(devices):
+        raise ConfigValueError(f"train config: data_parallel {n} exceeds the {len(devices)} visible devices "
+                               f"({devices[0].platform}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count")
+    return jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
+
+
+def _place(tree, mesh, rows: bool):
+    if mesh is None:
+        return tree
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return jax.device_put(tree, NamedSharding(mesh, P("data") if rows else P()))
 
 
 def heldout_eval(batches: list[dict], hcfg, shared: dict, cfg: TrainConfig) -> Callable[[dict], dict]:
@@ -442,6 +478,8 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
         eval_fn = heldout_eval(heldout, hcfg, shared, cfg)
 
     keys = ("aux", "final") if cfg.drafter == "eagle3" else ("final",)
+    mesh = data_mesh(cfg.data_parallel)
+    state, shared = _place(state, mesh, False), _place(shared, mesh, False)
     step_fn = train_step_for(cfg, hcfg)
     end = cfg.total_steps if stop_at is None else min(stop_at, cfg.total_steps)
     step = meta["step"]
@@ -454,9 +492,10 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
         while step < end:
             epoch, index, batch = next(data)
             batch = fit_batch(batch, cfg.max_len, keys)
-            state, metrics = step_fn(state, batch, shared)
+            n_tok = int(batch["lengths"].sum())
+            state, metrics = step_fn(state, _place(batch, mesh, True), shared)
             step += 1
-            tokens = meta["tokens"] + int(batch["lengths"].sum())
+            tokens = meta["tokens"] + n_tok
             meta = {"step": step, "epoch": epoch, "index": index, "tokens": tokens}
             bar.update(1)
             if t_mark is None:  # the first step compiles: rates start after it
