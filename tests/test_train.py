@@ -210,6 +210,22 @@ def test_resume_equals_uninterrupted(world, drafter):
     assert not all(np.array_equal(a, b) for a, b in zip(flat_a, jax.tree.leaves(other.params)))
 
 
+def test_length_buckets_train_like_full_padding(world):
+    """Padding a batch to a bucket instead of max_len changes no loss term (padding is masked)."""
+    model = world["model"]
+    cfg = small(total_steps=3, ttt_length=2, log_every=1)
+    lengths = world["train"].rows["lengths"]
+    assert tr.bucket_len(lengths[:16], T, (16, T - 7)) == T and tr.bucket_len(np.array([T - 7]), T, (16, T - 7)) == T - 7
+    full = tr.train(cfg, model, world["train"], world["tmp"].mktemp("full"), progress=False, export=False)
+    short = tr.ArraySource({k: v[0::5] for k, v in world["train"].rows.items()})  # the T - 7 rows
+    a = tr.train(cfg, model, short, world["tmp"].mktemp("pad"), progress=False, export=False)
+    b = tr.train(dataclasses.replace(cfg, length_buckets=(T - 7,)), model, short, world["tmp"].mktemp("bucket"),
+                 progress=False, export=False)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6)
+    assert a.last["loss"] != full.last["loss"]  # control: other rows, another run
+
+
 def test_resume_refuses_a_changed_config(world):
     run = world["tmp"].mktemp("r")
     cfg = small(total_steps=2, ttt_length=1, batch_size=16)

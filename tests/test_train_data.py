@@ -216,6 +216,22 @@ def test_iterate_is_deterministic_and_resumes_bit_exact(built):
     assert [next(again)["index"].tolist() for _ in range(3)] == want[4:]
 
 
+def test_length_grouping_is_a_permutation_with_tighter_batches(built):
+    cache, _ = built
+    plain, grouped = cache.order(3, 0), cache.order(3, 0, group=6, batch=2)
+    assert sorted(plain) == sorted(grouped) and grouped == cache.order(3, 0, group=6, batch=2)
+    lens = {k: cache.lengths(k) for k in range(len(cache.shards))}
+
+    def spread(order):  # summed padding inside batches of 2
+        ls = [int(lens[k][r]) for k, r in order]
+        return sum(abs(a - b) for a, b in zip(ls[0::2], ls[1::2]))
+
+    assert spread(grouped) < spread(plain)  # positive control: the shuffled order is not already tight
+    assert grouped != plain
+    rows = list(cache.iterate(2, 3, 0, group=6))
+    assert [r["index"].tolist() for r in rows] == [[list(x) for x in grouped[i:i + 2]] for i in range(0, 10, 2)]
+
+
 def test_regenerate_is_the_engines_greedy_continuation(chat):
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request

@@ -375,6 +375,7 @@ class FeatureCache:
         except json.JSONDecodeError as e:
             raise DataError(f"{self.manifest_path}: corrupt manifest ({e.msg})") from None
         self._loaded: dict[int, dict] = {}
+        self._lengths: dict[int, np.ndarray] = {}
 
     @property
     def shards(self) -> list[dict]:
@@ -429,24 +430,49 @@ class FeatureCache:
             np.add.at(counts, s["tokens"][s["loss_mask"]], 1)
         return counts
 
-    def order(self, seed: int, epoch: int) -> list[tuple[int, int]]:
-        """(shard, row) of every example in epoch order: shards shuffled, rows shuffled in each shard."""
+    def order(self, seed: int, epoch: int, *, group: int = 0, batch: int = 1) -> list[tuple[int, int]]:
+        """(shard, row) of every example in epoch order: shards shuffled, rows shuffled in each shard.
+
+        `group` > 0: within each run of `group` examples, rows sorted by length and the resulting
+        batches of `batch` shuffled, so a batch holds similar lengths (less padding when batches
+        are padded to length buckets) while what comes next stays random."""
         rng = np.random.default_rng([seed, epoch])
         out = []
         for k in rng.permutation(len(self.shards)):
             out += [(int(k), int(r)) for r in rng.permutation(self.shards[k]["num_examples"])]
-        return out
+        if group <= 0:
+            return out
+        lengths = {k: self.lengths(k) for k in range(len(self.shards))}
+        grouped = []
+        for g in range(0, len(out), group):
+            chunk = sorted(out[g:g + group], key=lambda kr: int(lengths[kr[0]][kr[1]]))
+            batches = [chunk[i:i + batch] for i in range(0, len(chunk), batch)]
+            for i in rng.permutation(len(batches)):
+                grouped += batches[i]
+        return grouped
+
+    def lengths(self, k: int) -> np.ndarray:
+        """[N] int: the token counts of shard k's rows (read without loading its features)."""
+        if k not in self._lengths:
+            path = self.dir / self.shards[k]["file"]
+            try:
+                with np.load(path) as z:
+                    self._lengths[k] = np.asarray(z["lengths"])
+            except (OSError, zipfile.BadZipFile, KeyError, ValueError, EOFError) as e:
+                raise DataError(f"{path}: corrupt or unreadable shard ({type(e).__name__}: {e})") from None
+        return self._lengths[k]
 
     def batches_per_epoch(self, batch: int, drop_last: bool = True) -> int:
         n = self.num_examples
         return n // batch if drop_last else -(-n // batch)
 
     def iterate(self, batch: int, seed: int, epoch: int, *, start: int = 0, pad_to: int | None = None,
-                drop_last: bool = True) -> Iterator[dict[str, np.ndarray]]:
+                drop_last: bool = True, group: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """Deterministic shuffled batches of one epoch as numpy dicts (the shard keys plus `index`,
-        the (shard, row) pairs), from batch number `start`, padded to `pad_to` (default max_len)."""
+        the (shard, row) pairs), from batch number `start`, padded to `pad_to` (default max_len);
+        `group`: see `order`."""
         t = pad_to or self.manifest["max_len"]
-        order = self.order(seed, epoch)
+        order = self.order(seed, epoch, group=group, batch=batch)
         for b in range(start, self.batches_per_epoch(batch, drop_last)):
             rows = order[b * batch:(b + 1) * batch]
             out = {"tokens": np.zeros((batch, t), np.int32), "lengths": np.zeros((batch,), np.int32),

@@ -41,7 +41,12 @@ class TrainConfig:
     warmup_ratio: float = 0.015  # of total_steps, linear from 0; then cosine to 0
     total_steps: int = 2000
     batch_size: int = 4
-    max_len: int = 512  # rows padded / cut to this many tokens (one compiled shape)
+    max_len: int = 512  # rows cut to this many tokens
+    # Rows padded to the smallest bucket holding the batch's longest row (one compiled step per
+    # bucket; () = always max_len); length_group sorts runs of that many examples by length so
+    # batches hold similar lengths (FeatureCache.order). Both change the data order: fixed at resume.
+    length_buckets: tuple[int, ...] = ()
+    length_group: int = 0
     ttt_length: int = 7
     step_weight_decay: float = 0.8
     draft_vocab_size: int = 32000  # EAGLE-3; capped at the target vocabulary
@@ -79,6 +84,8 @@ class TrainConfig:
              f"batch_size {self.batch_size} must be a multiple of data_parallel {self.data_parallel}"),
             (self.log_every >= 1 and self.save_every >= 1 and self.eval_every >= 0, "intervals must be >= 1"),
             (len(self.feature_layers) in (0, 3), "feature_layers: three layer ids or none"),
+            (all(4 <= b <= self.max_len for b in self.length_buckets), "length_buckets must lie in [4, max_len]"),
+            (self.length_group >= 0, "length_group >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -93,7 +100,7 @@ class TrainConfig:
 
 # What must not change between a run and its resume (the rest, e.g. intervals or total_steps, may).
 _FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "medusa_head", "batch_size",
-          "max_len", "seed")
+          "max_len", "seed", "length_group")
 
 
 def train_config(path=None, overrides: dict[str, Any] | None = None, *, base: TrainConfig | None = None) -> TrainConfig:
@@ -168,6 +175,12 @@ def open_source(data: str):
 
         return FeatureCache(p)
     return npz_source(p)
+
+
+def bucket_len(lengths, max_len: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding the longest row (max_len when none does, or no buckets)."""
+    longest = int(np.max(lengths))
+    return min([b for b in buckets if b >= longest] or [max_len])
 
 
 def fit_batch(batch: dict, max_len: int, keys=None) -> dict:
@@ -381,6 +394,8 @@ def _iterate(source, cfg: TrainConfig, epoch: int, start: int):
     """One epoch's batches from batch number `start` (FeatureCache / ArraySource skip without loading)."""
     params = inspect.signature(source.iterate).parameters
     kw = {"pad_to": cfg.max_len} if "pad_to" in params else {}
+    if cfg.length_group and "group" in params:
+        kw["group"] = cfg.length_group
     if "start" in params:
         return source.iterate(cfg.batch_size, cfg.seed, epoch, start=start, **kw)
     return itertools.islice(source.iterate(cfg.batch_size, cfg.seed, epoch, **kw), start, None)
@@ -491,7 +506,8 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     with open(log_path, "a") as log:
         while step < end:
             epoch, index, batch = next(data)
-            batch = fit_batch(batch, cfg.max_len, keys)
+            batch = fit_batch(batch, bucket_len(np.minimum(batch["lengths"], cfg.max_len), cfg.max_len,
+                                                cfg.length_buckets), keys)
             n_tok = int(batch["lengths"].sum())
             state, metrics = step_fn(state, _place(batch, mesh, True), shared)
             step += 1
