@@ -364,6 +364,23 @@ def test_cli_trains_exports_and_plots(world, tmp_path):
     assert load_draft_head(out / "head", world["model"].config).config.draft_vocab_size == 100
     # A bad key is one line on stderr and exit status 2.
     assert main(argv + ["--set", "nope=1"]) == 2
+    # A run stopped early exports its latest checkpoint; bfloat16 halves the file and the loaded
+    # head's logits stay within bfloat16 rounding of the float32 export's.
+    stopped = tmp_path / "stopped"
+    assert main([a if a != str(out) else str(stopped) for a in argv] + ["--stop-after", "2"]) == 0
+    assert not (stopped / "head").exists()
+    for dt in ("float32", "bfloat16"):
+        assert main(["export", str(stopped), "--out", str(tmp_path / dt), "--target", str(world["dir"]),
+                     "--dtype", dt]) == 0
+    f32, bf16 = (load_draft_head(tmp_path / dt, world["model"].config) for dt in ("float32", "bfloat16"))
+    size = lambda d: (tmp_path / d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size("bfloat16") < 0.6 * size("float32")
+    assert json.loads((tmp_path / "bfloat16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "float32" / "config.json").read_text())["jaxspec_train"]["step"] == 2
+    np.testing.assert_array_equal(np.asarray(f32.params["d2t"]), np.asarray(bf16.params["d2t"]))
+    w32, w16 = np.asarray(f32.params["fc"]), np.asarray(bf16.params["fc"])
+    assert w16.dtype == np.float32 and np.allclose(w32, w16, rtol=1e-2, atol=1e-3) and not np.array_equal(w32, w16)
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
 
 
 def _feature_cache(world, d, layers=LAYERS, fingerprint=None):

@@ -3,6 +3,7 @@
     python -m jaxspec.train --drafter eagle3 --target default --data DIR --out runs/NAME \\
         [--config configs/train/eagle3_smollm2.toml] [--set key=value ...] [--steps N] [--resume]
     python -m jaxspec.train plot runs/NAME
+    python -m jaxspec.train export runs/NAME --out DIR [--dtype bfloat16]
 
 `--data`: a feature cache built by jaxspec.train.data (manifest.json + shards), a directory of
 .npz batches in the same interface, or `sharegpt` to build the cache first in <out>/data
@@ -134,8 +135,52 @@ def run_train(args) -> int:
     return 0
 
 
+def export_run(run_dir, out, *, target: str = "default", dtype: str = "float32") -> Path:
+    """Export a run's latest checkpoint (a stopped run too, not only a finished one) to `out` in
+    its published format, cast to `dtype`."""
+    import jax
+    import numpy as np
+
+    from jaxspec.models.loading import load_model
+    from jaxspec.train import trainer as tr
+    from jaxspec.train.export import cast_head, export_head
+
+    run = Path(run_dir)
+    if not (run / "train_config.json").is_file():
+        raise FileNotFoundError(f"{run}: not a training run (no train_config.json)")
+    cfg = tr.train_config(None, json.loads((run / "train_config.json").read_text()))
+    model = load_model(target, progress=False)
+    hcfg = tr.make_head_config(cfg, model.config)
+    ids = np.load(run / "draft_vocab.npy") if cfg.drafter == "eagle3" else None
+    shared = tr.shared_target(model, ids)
+    params = tr.init_train_params(hcfg, shared, cfg.seed, ids)
+    like = {"params": params, "opt": tr.make_optimizer(cfg)[0].init(params), "step": np.zeros((), np.int32),
+            "rng": np.zeros((2,), np.uint32)}
+    mngr = tr._manager(run, cfg)
+    state, meta = tr._restore(mngr, like)
+    mngr.close()
+    if state is None:
+        raise FileNotFoundError(f"{run}: no checkpoint to export")
+    out = export_head(jax.device_get(state["params"]), hcfg, out, draft_ids=ids,
+                      extra={"jaxspec_train": {"step": meta["step"], "tokens": meta["tokens"]}})
+    return cast_head(out, dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "export":
+        p = argparse.ArgumentParser(prog="python -m jaxspec.train export")
+        p.add_argument("run_dir")
+        p.add_argument("--out", required=True, help="directory for the head (published format)")
+        p.add_argument("--target", default="default")
+        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+        a = p.parse_args(argv[1:])
+        try:
+            print(export_run(a.run_dir, a.out, target=a.target, dtype=a.dtype))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if argv and argv[0] == "plot":
         p = argparse.ArgumentParser(prog="python -m jaxspec.train plot")
         p.add_argument("run_dir")

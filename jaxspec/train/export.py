@@ -135,6 +135,30 @@ def export_medusa(params: dict, hcfg: HeadConfig, out_dir, *, base_model: str = 
     return _write(out_dir, cfg, t, "medusa_lm_head.safetensors")
 
 
+def cast_head(out_dir, dtype: str = "bfloat16") -> Path:
+    """Rewrite an exported head's float32 tensors in `dtype` ("bfloat16" | "float16" | "float32";
+    integer maps such as d2t / t2d stay) and set config.json's torch_dtype: what ships is half the
+    size, and the loaders cast back to the engine's dtype."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    kinds = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+    if dtype not in kinds:
+        raise ValueError(f"dtype must be one of {', '.join(kinds)}, got {dtype!r}")
+    out = Path(out_dir)
+    files = sorted(out.glob("*.safetensors"))
+    if not files or not (out / "config.json").is_file():
+        raise FileNotFoundError(f"{out}: no exported head (config.json + *.safetensors)")
+    for f in files:
+        t = load_file(str(f))
+        save_file({k: v.astype(kinds[dtype]) if v.dtype == np.float32 else v for k, v in t.items()}, str(f),
+                  metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
 def export_head(params: dict, hcfg: HeadConfig, out_dir, *, draft_ids=None, extra: dict | None = None) -> Path:
     """Write `params` (HF layout, as trained) of a `hcfg.kind` head to `out_dir`."""
     if hcfg.kind == "eagle3":
