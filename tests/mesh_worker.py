@@ -31,14 +31,19 @@ CONFIG = {
 }
 
 
-def write_tiny_checkpoint(path: Path) -> None:
+# SmolLM2's awkward 9 query / 3 KV heads, and an MLP width 4 and 8 do not divide: no TP size > 1
+# fits without the Engine's zero-padding (jaxspec.models.padding).
+AWKWARD = {**CONFIG, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 90}
+
+
+def write_tiny_checkpoint(path: Path, config: dict = CONFIG) -> None:
     """Random HF-format weights (no torch needed), LM head sharpened like tests/conftest.py does."""
     from safetensors.numpy import save_file
 
     from jaxspec.models.config import HF_LAYER_KEYS, ModelConfig, layer_keys
     from jaxspec.models.loading import expected_shapes
 
-    cfg = ModelConfig.from_hf_dict(CONFIG)
+    cfg = ModelConfig.from_hf_dict(config)
     rng = np.random.default_rng(0)
     normal = lambda *s: rng.normal(0.0, 0.1, s).astype(np.float32)  # noqa: E731
     d, v = cfg.hidden_size, cfg.vocab_size
@@ -51,7 +56,7 @@ def write_tiny_checkpoint(path: Path) -> None:
             tensors[f"model.layers.{n}.{HF_LAYER_KEYS[key]}"] = value
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(CONFIG))
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def make_engine(model, mesh, spec, layer_loop="auto"):
@@ -116,20 +121,21 @@ def engines_report(model) -> dict:
     return report
 
 
-def rejection_report(model) -> dict:
-    """Engine(mesh=...) refuses a model whose KV heads do not split over TP, before any device work."""
-    import dataclasses
+def padding_report(model_dir: Path, tmp: Path) -> dict:
+    """The CLI on a 9 q / 3 kv head model (MLP 90) under every mesh: heads are zero-padded, not refused.
 
-    from jaxspec.config import EngineSection
-    from jaxspec.engine import Engine
-    from jaxspec.models.sharding import MeshError, make_mesh
+    Not --quiet, so the start-up line reporting the padding is captured too."""
+    import contextlib
+    import io
 
-    cfg = dataclasses.replace(model.config, num_kv_heads=2)
-    try:
-        Engine({}, cfg, EngineSection(), progress=False, mesh=make_mesh("2x4"))
-    except MeshError as e:
-        return {"error": str(e)}
-    return {"error": None}
+    out = {}
+    for shape in ("single",) + MESHES:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            res = cli_report(model_dir, tmp, None if shape == "single" else shape, quiet=False)
+        out[shape] = res["outputs"] if res["rc"] == 0 else {"rc": res["rc"], "stderr": err.getvalue()[-2000:]}
+        out[f"{shape}_stderr"] = [line for line in err.getvalue().splitlines() if "pads" in line or "padding" in line]
+    return out
 
 
 def kernel_report() -> dict:
@@ -167,15 +173,17 @@ def kernel_report() -> dict:
     return out
 
 
-def cli_report(model_dir: Path, tmp: Path) -> dict:
+def cli_report(model_dir: Path, tmp: Path, mesh: str | None = "2x4", quiet: bool = True) -> dict:
     from jaxspec.generate import main
 
     prompts = tmp / "in.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
     out = tmp / "out.jsonl"
-    argv = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out), "--quiet",
+    argv = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out),
             "--max-new-tokens", str(NEW), "--ignore-eos", "--batch-size", "4", "--page-size", "4",
-            "--max-context", "64", "--set", "engine.length_buckets=16,32,64", "--mesh", "2x4"]
+            "--max-context", "64", "--set", "engine.length_buckets=16,32,64"]
+    argv += ["--quiet"] if quiet else []
+    argv += ["--mesh", mesh] if mesh else []
     rc = main(argv)
     rows = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()] if rc == 0 else []
     return {"rc": rc, "outputs": rows}
@@ -212,6 +220,38 @@ def serve_report(model_dir: Path) -> dict:
     return out
 
 
+def embedded_serve_report() -> dict:
+    """The embedded SmolLM2-135M (9 q / 3 kv heads) through the server's scheduler, one device vs 4x2.
+
+    A few tokens and stacked layers (fewer HLO ops to compile) keep it short."""
+    from jaxspec.config import apply_overrides, load_config
+    from jaxspec.models.loading import load_model
+    from jaxspec.models.sharding import make_mesh
+    from jaxspec.serve.scheduler import Seq, SeqParams
+    from jaxspec.serve.server import build_server
+
+    cfg = apply_overrides(load_config(None), {
+        "model.path": "default", "spec.algorithm": "ngram", "spec.num_draft_tokens": 3, "serve.adaptive": False,
+        "engine.max_batch_size": 4, "engine.batch_buckets": "4", "engine.max_context": 32, "engine.page_size": 8,
+        "engine.length_buckets": "16,32", "serve.context_buckets": "32", "serve.prefill_chunk": 16,
+        "serve.max_prefill_batch": 4, "serve.steps_per_call": 2, "engine.layer_loop": "scan"})
+    model = load_model("default", progress=False)
+    prompts = [model.tokenizer.encode(t) for t in ("The cat sat on the mat. The cat sat on the", "1, 2, 3, 4,")]
+    out = {}
+    for shape in ("single", "4x2"):
+        server = build_server(cfg, mesh=None if shape == "single" else make_mesh(shape), progress=False, model=model)
+        got, seqs = {}, []
+        for i, p in enumerate(prompts):
+            seqs.append(Seq(p, SeqParams(max_new_tokens=5), lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
+            server.scheduler.submit(seqs[-1])
+        while any(s.finish_reason is None for s in seqs):
+            server.scheduler.step()
+        engine = server.runner.engine
+        out[shape] = [got[i] for i in range(len(seqs))]
+        out[f"{shape}_heads"] = [engine.cfg.num_heads, engine.cfg.num_kv_heads]
+    return out
+
+
 def main(out_path: str) -> None:
     import jax
 
@@ -223,10 +263,12 @@ def main(out_path: str) -> None:
         write_tiny_checkpoint(tmp / "tiny")
         model = load_model(str(tmp / "tiny"), progress=False)
         report["engines"] = engines_report(model)
-        report["rejection"] = rejection_report(model)
         report["kernel"] = kernel_report()
         report["cli"] = cli_report(tmp / "tiny", tmp)
         report["serve"] = serve_report(tmp / "tiny")
+        write_tiny_checkpoint(tmp / "awkward", AWKWARD)
+        report["padding"] = padding_report(tmp / "awkward", tmp)
+        report["embedded"] = embedded_serve_report()
     Path(out_path).write_text(json.dumps(report))
 
 

@@ -87,9 +87,23 @@ def test_cli_mesh_flag(report):
     assert report["cli"]["outputs"] == report["engines"]["plain"]["single"]
 
 
-def test_engine_rejects_model_not_divisible_by_tp(report):
-    err = report["rejection"]["error"]
-    assert err and "num_kv_heads = 2" in err and "model (tensor-parallel) axis size 4" in err
+def test_awkward_heads_are_padded_through_the_cli(report):
+    """9 q / 3 kv heads and MLP 90 under 4x2, 2x4 and 8x1: zero-padded heads, same greedy tokens as one device."""
+    rows = report["padding"]
+    assert isinstance(rows["single"], list) and all(len(r) > 0 for r in rows["single"]), rows["single"]
+    for shape in MESHES:
+        assert rows[shape] == rows["single"], shape
+    assert rows["4x2_stderr"] == ["jaxspec: model: tensor-parallel size 2 pads +3 query heads (9 -> 12) and +1 KV "
+                                  "heads (3 -> 4), attention and KV cache x1.33 (zero weights: outputs unchanged)"]
+    assert "+2 MLP columns (90 -> 92)" in rows["2x4_stderr"][0]
+    assert rows["8x1_stderr"] == [] and rows["single_stderr"] == []
+
+
+def test_embedded_model_serves_under_4x2(report):
+    """SmolLM2-135M through the server's scheduler (n-gram speculation) on a 4x2 mesh equals one device."""
+    rows = report["embedded"]
+    assert rows["4x2"] == rows["single"] and all(len(r) == 5 for r in rows["single"])
+    assert rows["single_heads"] == [9, 3] and rows["4x2_heads"] == [12, 4]
 
 
 def test_two_processes_share_one_mesh(report, tmp_path):
@@ -155,6 +169,54 @@ def test_validate_for_model_names_the_quantity():
         shd.validate_for_model(shd.MeshShape(1, 16), dataclasses.replace(cfg, num_kv_heads=16))
     with pytest.raises(shd.MeshError, match="intermediate_size = 96 .* axis size 64"):
         shd.validate_for_model(shd.MeshShape(1, 64), dataclasses.replace(cfg, num_heads=64, num_kv_heads=64))
+
+
+@pytest.mark.parametrize("tp, heads, kv, inter", [(1, 9, 3, 90), (2, 12, 4, 90), (3, 9, 3, 90), (4, 12, 4, 92),
+                                                   (8, 24, 8, 96)])
+def test_padded_config_keeps_the_group_and_divides(tp, heads, kv, inter):
+    from jaxspec.models.padding import padded_config
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=90, num_layers=1,
+                      num_heads=9, num_kv_heads=3, head_dim=8)
+    padded, info = padded_config(cfg, tp)
+    assert (padded.num_heads, padded.num_kv_heads, padded.intermediate_size) == (heads, kv, inter)
+    assert padded.num_heads // padded.num_kv_heads == 3  # query head h still reads KV head h // 3
+    shd.validate_for_model(shd.MeshShape(1, tp), padded)
+    assert info.none == (tp in (1, 3))
+
+
+def test_padded_params_change_no_logit():
+    """One device, no mesh: the zero-padded model (bias, q/k norm, GQA) gives the same logits as the original."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxspec.cache.paged import KVCache
+    from jaxspec.models.llama import forward, prepare_params
+    from jaxspec.models.padding import pad_for_tp
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=90, num_layers=2,
+                      num_heads=6, num_kv_heads=3, head_dim=8, qkv_bias=True, qk_norm=True)
+    rng = np.random.default_rng(0)
+    n = lambda *s: jnp.asarray(rng.normal(0, 0.3, s), jnp.float32)  # noqa: E731
+    L, d, q, kv, i = 2, 32, 48, 24, 90
+    layers = {"attn_norm": 1 + n(L, d), "wq": n(L, q, d), "wk": n(L, kv, d), "wv": n(L, kv, d), "wo": n(L, d, q),
+              "bq": n(L, q), "bk": n(L, kv), "bv": n(L, kv), "q_norm": 1 + n(L, 8), "k_norm": 1 + n(L, 8),
+              "mlp_norm": 1 + n(L, d), "w_gate": n(L, i, d), "w_up": n(L, i, d), "w_down": n(L, d, i)}
+    params = {"embed": n(64, d), "final_norm": 1 + n(d), "lm_head": n(64, d), "layers": layers}
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 5)), jnp.int32)
+
+    def logits(p, c):
+        cache = KVCache.zeros(c.num_layers, 5, 4, c.num_kv_heads, c.head_dim)
+        table = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+        out = forward(prepare_params(p, c), c, tokens, pos, cache, table, q_start=jnp.zeros(2, jnp.int32),
+                      kv_len=jnp.asarray([5, 3], jnp.int32))
+        return np.asarray(out.logits)
+
+    padded_params, padded, info = pad_for_tp(params, cfg, 4)
+    assert (padded.num_heads, padded.num_kv_heads, padded.intermediate_size) == (8, 4, 92) and not info.none
+    assert padded_params["layers"]["wo"].shape == (L, d, 64) and padded_params["layers"]["bk"].shape == (L, 32)
+    np.testing.assert_allclose(logits(padded_params, padded), logits(params, cfg), rtol=0, atol=1e-5)
 
 
 def test_helpers_are_identity_without_mesh():

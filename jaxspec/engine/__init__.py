@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from typing import Sequence
 
@@ -200,10 +201,14 @@ class Engine:
         "none" turns speculation on); `draft`: (params, config) of the STANDALONE
         draft model; `ngram_corpus`: token ids [K] (`corpus_token_array`) the
         n-gram drafter also matches against, on device. `mesh`: a ("data", "model")
-        mesh (`sharding.make_mesh`) to shard params, caches and batches over."""
-        if mesh is not None:
-            shd.validate_for_model(mesh, cfg)
+        mesh (`sharding.make_mesh`) to shard params, caches and batches over; heads
+        and MLP columns its TP size does not divide are zero-padded (exact), so
+        `self.cfg` may have more heads than `self.model_cfg`."""
         self.mesh = mesh
+        self.progress = progress
+        self.draft_padding = None
+        self.model_cfg = cfg  # as loaded; self.cfg is what runs (heads padded for the mesh)
+        params, cfg, self.padding = self._pad_for_mesh(params, cfg, "model")
         loop = engine_cfg.layer_loop
         self._unstack = None if loop == "auto" else loop == "unrolled"
         self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
@@ -211,7 +216,6 @@ class Engine:
         self.params = shd.shard_params(runtime, cfg, mesh)
         self.cfg = cfg
         self.ecfg = engine_cfg
-        self.progress = progress
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.page_size = engine_cfg.page_size
         ctx_bucket = bucket_for(self.max_context, engine_cfg.length_buckets, "max_context")
@@ -248,6 +252,8 @@ class Engine:
                 raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
             self.corpus = shd.shard_batch(np.asarray(ngram_corpus, np.int32).reshape(1, -1), self.mesh)
         dparams, dcfg = draft if draft is not None else (None, None)
+        if isinstance(dcfg, ModelConfig):
+            dparams, dcfg, self.draft_padding = self._pad_for_mesh(dparams, dcfg, "draft model")
         try:
             drafter = build_drafter(plan, draft_cfg=dcfg, target_cfg=self.cfg)
         except ValueError as e:
@@ -275,8 +281,6 @@ class Engine:
         own = None
         if dparams is not None:
             if isinstance(dcfg, ModelConfig):
-                if self.mesh is not None:
-                    shd.validate_for_model(self.mesh, dcfg, "draft model")
                 if dcfg.vocab_size != self.cfg.vocab_size:
                     raise RequestError(
                         f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
@@ -289,6 +293,25 @@ class Engine:
         return {"own": own, "target": {k: self.params[k] for k in drafter.shares_target}}
 
     # ---- mesh --------------------------------------------------------------------
+
+    def _pad_for_mesh(self, params, cfg: ModelConfig, what: str):
+        """Zero-pad heads / MLP columns so the mesh's TP size divides them (exact; `models.padding`).
+
+        Reported on stderr at start-up, since padding costs memory and FLOPs."""
+        from jaxspec.models.padding import padded_config, pad_params
+
+        if self.mesh is None:
+            return params, cfg, None
+        padded, info = padded_config(cfg, self.mesh.shape["model"])
+        if not info.none:
+            if params is not None and "head" in params:
+                raise shd.MeshError(f"{what}: padding heads for tensor-parallel size {info.tp} needs the loaded "
+                                    "(Hugging Face) params layout, not runtime params (prepare_params)")
+            params = pad_params(params, cfg, padded) if params is not None else None
+            if self.progress:
+                print(f"jaxspec: {info.summary(what)}", file=sys.stderr)
+        shd.validate_for_model(self.mesh, padded, what)
+        return params, padded, info
 
     def pinned(self, fn):
         """`fn` with its output state pinned to the mesh layout (identity without a mesh)."""

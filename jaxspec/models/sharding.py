@@ -4,6 +4,8 @@
   by input row, so each layer needs one all-reduce after attention and one
   after the MLP; the LM head is split over the vocabulary. The KV cache is split
   over KV heads, which keeps each head's cache beside the q heads that read it.
+  Head counts TP does not divide are zero-padded by the Engine first
+  (`jaxspec.models.padding`), exactly.
 * "data": batch rows (and everything else with a leading batch axis) are split
   over it when the batch divides, else replicated.
 
@@ -86,7 +88,10 @@ def _shape_of(mesh_or_shape) -> MeshShape:
 
 
 def validate_for_model(shape: MeshShape | Mesh, cfg: ModelConfig, what: str = "model") -> None:
-    """Tensor parallelism splits whole heads and MLP columns: each must divide by TP."""
+    """Tensor parallelism splits whole heads and MLP columns: each must divide by TP.
+
+    The Engine pads a model until this holds (`jaxspec.models.padding`); params
+    placed by hand (`shard_params`) must already divide."""
     shape = _shape_of(shape)
     for name in ("num_kv_heads", "num_heads", "intermediate_size"):
         n = getattr(cfg, name)
@@ -286,17 +291,14 @@ def init_distributed(args) -> bool:
     return True
 
 
-def setup_mesh(args, cfg: ModelConfig | None = None) -> Mesh | None:
+def setup_mesh(args) -> Mesh | None:
     """Multi-host init (when asked), then the --mesh mesh (None without --mesh).
 
-    Call it first, before loading weights; `cfg`, when given, is validated too
-    (the Engine validates its models anyway)."""
+    Call it first, before loading weights. Any model fits any mesh: the Engine
+    zero-pads heads the TP size does not divide (`jaxspec.models.padding`)."""
     if args.mesh is None:
         init_distributed(args)
         return None
     shape = MeshShape.parse(args.mesh)  # a bad string fails before any device work
     init_distributed(args)
-    mesh = make_mesh(shape)
-    if cfg is not None:
-        validate_for_model(shape, cfg)
-    return mesh
+    return make_mesh(shape)

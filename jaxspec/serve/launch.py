@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("jaxspec.serve")
     try:
         cfg = config_from_args(args)
-        mesh = setup_mesh(args)  # the Engine checks the model against it
+        mesh = setup_mesh(args)  # the Engine pads heads the TP size does not divide
         server = build_server(cfg, mesh=mesh, progress=True)
     except (ConfigValueError, SpecConfigError, ConfigError, LoadError, MeshError, NativeKernelError, OSError,
             ValueError) as e:

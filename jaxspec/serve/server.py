@@ -105,6 +105,15 @@ def _num_pages_from_memory(cfg: Config, model_cfg) -> int:
     return pages
 
 
+def _run_config(model_cfg, mesh):
+    """The config the engine runs: heads padded for the mesh's TP size (`models.padding`), so pages are sized right."""
+    if mesh is None:
+        return model_cfg
+    from jaxspec.models.padding import padded_config
+
+    return padded_config(model_cfg, mesh.shape["model"])[0]
+
+
 def enable_compilation_cache(cfg: Config) -> None:
     import jax
 
@@ -140,7 +149,8 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
         candidates = (spec.num_draft_tokens - 1,)
     engine_cfg = cfg.engine
     if s.kv_memory_fraction > 0:
-        engine_cfg = dataclasses.replace(engine_cfg, num_pages=_num_pages_from_memory(cfg, model.config))
+        pages = _num_pages_from_memory(cfg, _run_config(model.config, mesh))
+        engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
     draft = build_draft(dataclasses.replace(cfg, spec=spec), model, dtype, progress)
     corpus = None
     if spec.ngram_corpus:
