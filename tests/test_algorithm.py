@@ -169,6 +169,9 @@ def test_valid_configs_pass_and_canonicalise():
                                  num_draft_tokens=max_draft_tokens(3, 2), verify="rejection"), "standalone")
     assert (out.draft_model, out.topk, out.num_draft_tokens, out.verify) == ("m", 2, 11, "rejection")
     assert _assert_validated(spec(algorithm="standalone", draft_layers=2), "standalone").draft_layers == 2
+    # eagle3 / medusa without spec.draft_model mean the heads shipped for the embedded model.
+    assert _assert_validated(spec(algorithm="eagle3"), "eagle3").draft_model == ""
+    _assert_validated(spec(algorithm="medusa", num_steps=3, num_draft_tokens=4), "medusa")
     out = _assert_validated(spec(simulate_accept_length=4), "ngram", benchmark=True)
     assert out.simulate_accept_length == 4
     # N-gram depth is bounded by num_draft_tokens alone, not by num_steps.
@@ -185,9 +188,7 @@ def test_valid_configs_pass_and_canonicalise():
     (dict(algorithm="eagle2"), r"spec.algorithm: unknown speculative algorithm 'eagle2'; valid: none, ngram"),
     (dict(algorithm="dflash"), r"spec.algorithm='dflash' is not implemented yet; implemented: none, ngram, standalone, "
                                r"eagle, eagle3, medusa, mlp_speculator"),
-    (dict(algorithm="eagle3"), "algorithm 'eagle3' needs a draft model: set spec.draft_model"),
-    (dict(algorithm="medusa"), "algorithm 'medusa' needs a draft model"),
-    (dict(algorithm="mlp_speculator"), "algorithm 'mlp_speculator' needs a draft model"),
+    (dict(algorithm="mlp_speculator"), "algorithm 'mlp_speculator' needs a draft model: set spec.draft_model"),
     (dict(algorithm="dflash"), "'dflash' is not implemented yet"),
     (dict(algorithm="dspark"), "'dspark' is not implemented yet"),
     (dict(verify="typical"), r"spec.verify must be one of auto, greedy, target-only, rejection; got 'typical'"),

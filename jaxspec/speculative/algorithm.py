@@ -274,9 +274,13 @@ def _field_checks(s: SpecSection) -> list[tuple[bool, str]]:
 
 def _has_builtin_default(name: str, s: SpecSection) -> bool:
     """A draft model without spec.draft_model: the target's first layers
-    (standalone, draft_layers > 0), or the target's own MTP layers (eagle, as
-    NEXTN; the loader says so if the target has none)."""
-    return (name == "standalone" and s.draft_layers > 0) or name == "eagle"
+    (standalone, draft_layers > 0), the target's own MTP layers (eagle, as
+    NEXTN; the loader says so if the target has none), or the head shipped for
+    the embedded model (eagle3, medusa; the loader says so if the target is
+    another model)."""
+    from jaxspec.paths import SHIPPED_HEADS
+
+    return (name == "standalone" and s.draft_layers > 0) or name == "eagle" or name in SHIPPED_HEADS
 
 
 def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,

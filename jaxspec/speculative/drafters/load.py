@@ -46,14 +46,19 @@ def load_draft(spec, model, dtype, *, cache_dir: str | None = None, progress: bo
         return None
     from jaxspec.models.heads.loading import load_draft_head, load_mtp_head
 
-    if spec.draft_model == "default":  # the head shipped for the embedded model
-        from jaxspec.paths import shipped_head
+    from jaxspec.paths import SHIPPED_HEADS, shipped_head
 
+    implicit = not spec.draft_model and name in SHIPPED_HEADS  # --spec eagle3 alone: the shipped head
+    if spec.draft_model == "default" or implicit:  # the head shipped for the embedded model
         try:
             path = shipped_head(name)
         except FileNotFoundError as e:
             raise ConfigError(str(e)) from None
-        head = load_draft_head(path, model.config, aux_layer_convention="output", dtype=dtype)
+        try:
+            head = load_draft_head(path, model.config, aux_layer_convention="output", dtype=dtype)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"the shipped {name} head ({path.name}) is for the embedded SmolLM2-135M-Instruct "
+                              f"and does not fit this target: give --draft-model DIR ({e})") from None
     elif spec.draft_model:
         head = load_draft_head(Path(spec.draft_model).expanduser(), model.config,
                                aux_layer_convention=spec.eagle3_layer_ids, dtype=dtype)
