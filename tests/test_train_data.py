@@ -232,6 +232,31 @@ def test_length_grouping_is_a_permutation_with_tighter_batches(built):
     assert [r["index"].tolist() for r in rows] == [[list(x) for x in grouped[i:i + 2]] for i in range(0, 10, 2)]
 
 
+def test_cache_union_reads_both_and_refuses_another_layout(chat, built, tmp_path):
+    import shutil
+
+    from jaxspec.train.trainer import open_source
+
+    full, convs = built
+    other = _build(tmp_path / "b", chat, convs[:4])
+    both = open_source(f"{full.dir},{other.dir}")
+    assert isinstance(both, D.CacheUnion) and both.num_examples == full.num_examples + other.num_examples
+    seen = [tuple(r) for x in both.iterate(2, 0, 0, drop_last=False) for r in x["index"] if r[0] >= 0]
+    assert len(set(seen)) == both.num_examples
+    k = len(full.shards)  # the second cache's first shard, read from its own directory
+    np.testing.assert_array_equal(both.shard(k)["tokens"], other.shard(0)["tokens"])
+    assert both.token_counts(chat.config.vocab_size).sum() == (full.token_counts(chat.config.vocab_size).sum()
+                                                              + other.token_counts(chat.config.vocab_size).sum())
+    shutil.copytree(other.dir, tmp_path / "c")
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    m["feature_layers"] = [0, 2]
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(D.DataError, match="'feature_layers' is \\[0, 2\\] but \\[0, 1\\]"):
+        open_source(f"{full.dir},{tmp_path / 'c'}")
+    with pytest.raises(FileNotFoundError, match="is not a feature cache"):
+        open_source(f"{full.dir},{tmp_path / 'nope'}")
+
+
 def test_regenerate_is_the_engines_greedy_continuation(chat):
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request

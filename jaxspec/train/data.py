@@ -401,7 +401,7 @@ class FeatureCache:
         if k in self._loaded:
             return self._loaded[k]
         info = self.shards[k]
-        path = self.dir / info["file"]
+        path = Path(info.get("dir", self.dir)) / info["file"]
         try:
             size = path.stat().st_size
             if size != info["bytes"]:
@@ -454,7 +454,7 @@ class FeatureCache:
     def lengths(self, k: int) -> np.ndarray:
         """[N] int: the token counts of shard k's rows (read without loading its features)."""
         if k not in self._lengths:
-            path = self.dir / self.shards[k]["file"]
+            path = Path(self.shards[k].get("dir", self.dir)) / self.shards[k]["file"]
             try:
                 with np.load(path) as z:
                     self._lengths[k] = np.asarray(z["lengths"])
@@ -489,6 +489,28 @@ class FeatureCache:
 
     def loader(self, batch: int, seed: int, **kw) -> "BatchLoader":
         return BatchLoader(self, batch, seed, **kw)
+
+
+class CacheUnion(FeatureCache):
+    """Several caches of one target and feature layout read as one (e.g. regenerated responses
+    plus raw ShareGPT ones): their shards side by side, shuffled together."""
+
+    SAME = ("target_fingerprint", "feature_layers", "hidden_size", "aux_width", "vocab_size")
+
+    def __init__(self, directories: Sequence[str | Path]):
+        caches = [FeatureCache(d) for d in directories]
+        if not caches:
+            raise DataError("a cache union needs at least one directory")
+        first = caches[0]
+        for c in caches[1:]:
+            c.check(**{k: first.manifest.get(k) for k in self.SAME})
+        self.dir = first.dir
+        self.manifest_path = first.manifest_path
+        self.manifest = {**first.manifest, "max_len": max(c.manifest["max_len"] for c in caches),
+                         "source": "+".join(str(c.manifest.get("source")) for c in caches),
+                         "shards": [{**s, "dir": str(c.dir)} for c in caches for s in c.shards],
+                         "union": [str(c.dir) for c in caches]}
+        self._loaded, self._lengths = {}, {}
 
 
 class BatchLoader:

@@ -166,7 +166,16 @@ def npz_source(directory) -> ArraySource:
 
 def open_source(data: str):
     """`--data`: a jaxspec.train.data cache directory (manifest.json: FeatureCache, read lazily,
-    shard by shard), or any other directory of .npz batches in the data interface (read whole)."""
+    shard by shard), several cache directories joined by commas (CacheUnion: shuffled together),
+    or any other directory of .npz batches in the data interface (read whole)."""
+    if "," in data:
+        from jaxspec.train.data import CacheUnion
+
+        parts = [x for x in data.split(",") if x]
+        missing = [x for x in parts if not (Path(x) / "manifest.json").is_file()]
+        if missing:
+            raise FileNotFoundError(f"--data {data}: {', '.join(missing)} is not a feature cache (no manifest.json)")
+        return CacheUnion(parts)
     p = Path(data)
     if not p.is_dir():
         raise FileNotFoundError(f"--data {data}: not a directory (a feature cache or .npz batches)")
