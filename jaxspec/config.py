@@ -20,6 +20,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from jaxspec.sampling_params import BOUNDS, ENGINE_FIELDS
+
 
 class ConfigValueError(ValueError):
     """An invalid configuration value; the message names the key."""
@@ -134,12 +136,9 @@ class Config:
              "engine.batch_buckets must be a non-empty list of sizes >= 1"),
             (e.length_buckets and all(b >= 1 for b in e.length_buckets),
              "engine.length_buckets must be a non-empty list of lengths >= 1"),
-            (s.max_new_tokens >= 1, "sampling.max_new_tokens must be >= 1"),
-            (s.temperature >= 0, "sampling.temperature must be >= 0"),
-            (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
-            # Bounds of the device arrays: top_k is int32, the noise is keyed by a uint32 seed.
-            (0 <= s.top_k < 2**31, "sampling.top_k must be in [0, 2^31)"),
-            (0 <= s.seed < 2**32, "sampling.seed must be in [0, 2^32)"),
+            # The rules every front end shares (jaxspec.sampling_params), under the config's key names.
+            *((BOUNDS[field].ok(getattr(s, key)), f"sampling.{key} must be {BOUNDS[field].bound}")
+              for key, field in ENGINE_FIELDS.items()),
             (0 <= self.serve.port < 65536, "serve.port must be in [0, 65535]"),
             (self.serve.steps_per_call >= 1, "serve.steps_per_call must be >= 1"),
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),

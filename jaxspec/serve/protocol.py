@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from jaxspec.prompts import PromptError, check_messages
+from jaxspec.sampling_params import SamplingError, SamplingParams, check_stop, check_value
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -38,17 +39,11 @@ def bad(param: str, message: str) -> APIError:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenParams:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    n: int
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
+class GenParams(SamplingParams):
+    """A request's SamplingParams (validated by the rules every front end shares) plus the streaming fields."""
+
+    stream: bool = False
+    include_usage: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,32 +105,38 @@ def json_depth(obj) -> int:
     return deepest
 
 
+def _field(body: dict, key: str, default, field: str | None = None):
+    """body[key] under the shared sampling rule of `field` (default: key), or `default` when absent."""
+    v = body.get(key)
+    if v is None:
+        return default
+    try:
+        return check_value(field or key, v, key)
+    except SamplingError as e:
+        raise APIError(400, str(e), key) from None
+
+
 def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(key)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise bad(key, f"must be an integer >= 1, got {json.dumps(max_tokens)[:60]}")
-    temperature = float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "a number in [0, 2]"))
-    top_p = float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"))
-    top_k = _get(body, "top_k", 0, lambda v: _is_int(v) and -1 <= v < 2**31, "an integer in [-1, 2^31) (-1 or 0 = off)")
-    # The sampler keys its noise by a uint32 seed: a wider one would alias a smaller one.
-    seed = _get(body, "seed", None, lambda v: _is_int(v) and 0 <= v < 2**32, "an integer in [0, 2^32)")
-    n = _get(body, "n", 1, lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
+    max_tokens = _field(body, key, default_max_tokens, "max_tokens")
+    temperature = _field(body, "temperature", 1.0)
+    if temperature > 2:  # OpenAI's range, narrower than what the sampler takes
+        raise APIError(400, f"temperature must be a number in [0, 2], got {json.dumps(temperature)}", "temperature")
+    top_p = _field(body, "top_p", 1.0)
+    top_k = body.get("top_k")
+    top_k = 0 if _is_int(top_k) and top_k == -1 else _field(body, "top_k", 0)  # -1 = off, as in vLLM
+    seed = _field(body, "seed", None)
+    n = _field(body, "n", 1)
+    if n > MAX_N:
+        raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {n}", "n")
     stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "a boolean")
     ignore_eos = _get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "a boolean")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
-        stop = tuple(stop)
-    else:
-        raise bad("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings")
-    if any(not s for s in stop):
-        raise bad("stop", "stop strings must be non-empty")
+    try:
+        stop = check_stop(body.get("stop"))
+    except SamplingError as e:
+        raise APIError(400, str(e), "stop") from None
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     opts = _get(body, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
     include_usage = opts.get("include_usage", False)  # OpenAI: the usage chunk only when asked
     if not isinstance(include_usage, bool):
@@ -148,8 +149,8 @@ def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
         v = body.get(key)
         if v is not None and (not _is_num(v) or v != 0):
             raise bad(key, "only 0 is supported by this server")
-    return GenParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed,
-                     n=n, stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
+    return GenParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
+                     stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
 
 
 def _token_list(v, vocab: int, param: str) -> list[int]:

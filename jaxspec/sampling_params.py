@@ -1,0 +1,175 @@
+"""Sampling parameters: one definition and one set of rules for the CLI, the server and `jaxspec.LLM`.
+
+`SamplingParams` is what a request asks for; it is validated when built, so a
+bad value fails before anything is loaded or compiled. The rules themselves
+(`BOUNDS`, `check_value`, `check_stop`) are shared by the front ends that read
+values from elsewhere: the CLI's JSONL lines and `[sampling]` config section,
+the server's request bodies (its `GenParams` is a `SamplingParams` plus the
+streaming fields) and the engine's `Request`. Every message reads
+"<field> must be <what>, got <value>".
+
+No JAX here: the server's request parsing and the config import it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+
+class SamplingError(ValueError):
+    """A bad sampling parameter; `field` names it, and the message starts with it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """What a numeric field accepts: `kind` + `bound` read as "an integer >= 1"."""
+
+    integer: bool
+    ok: Callable[[int | float], bool]
+    kind: str
+    bound: str
+
+    @property
+    def what(self) -> str:
+        return f"{self.kind} {self.bound}"
+
+
+# The bounds follow the device arrays: top_k is int32 and the noise is keyed by a uint32 seed,
+# so a wider value would wrap around and alias a smaller one.
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(True, lambda v: v >= 1, "an integer", ">= 1"),
+    "temperature": Bound(False, lambda v: v >= 0, "a finite number", ">= 0"),
+    "top_p": Bound(False, lambda v: 0 < v <= 1, "a number", "in (0, 1]"),
+    "top_k": Bound(True, lambda v: 0 <= v < 2**31, "an integer", "in [0, 2^31)"),
+    "seed": Bound(True, lambda v: 0 <= v < 2**32, "an integer", "in [0, 2^32)"),
+    "n": Bound(True, lambda v: v >= 1, "an integer", ">= 1"),
+}
+
+# The engine's `Request`, the [sampling] config section and the CLI's JSONL lines name these
+# fields the older way: their name -> the SamplingParams field whose rule they follow.
+ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                 "top_k": "top_k", "seed": "seed"}
+
+
+def shown(value: Any) -> str:
+    """`value` as the message quotes it: JSON (so a CLI line's NaN reads NaN), cut at 60 characters."""
+    try:
+        return json.dumps(value)[:60]
+    except (TypeError, ValueError):
+        return repr(value)[:60]
+
+
+def as_number(value: Any, integer: bool) -> int | float | None:
+    """`value` as a number, or None. NaN/inf, booleans and, for an integer, 2.7 are
+    refused rather than turned into something the caller never said; 3.0 is 3."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    if not isinstance(value, numbers.Integral):
+        value = float(value)
+        if not math.isfinite(value) or (integer and not value.is_integer()):
+            return None
+    return int(value) if integer else float(value)
+
+
+def check_value(field: str, value: Any, name: str | None = None) -> int | float:
+    """`value` as numeric field `field` takes it (see BOUNDS), or SamplingError.
+
+    `name` is what the caller calls the field (the CLI's max_new_tokens is
+    max_tokens here); the message uses it."""
+    name = name or field
+    b = BOUNDS[field]
+    v = as_number(value, b.integer)
+    if v is None or not b.ok(v):
+        raise SamplingError(name, f"{name} must be {b.what}, got {shown(value)}")
+    return v
+
+
+def check_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings as a tuple: None, one string or a list of non-empty strings."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise SamplingError(name, f"{name} must be a string or a list of strings, got {shown(value)}")
+    if not all(value):
+        raise SamplingError(name, f"{name} must not contain an empty string")
+    return tuple(value)
+
+
+def check_bool(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SamplingError(field, f"{field} must be a boolean, got {shown(value)}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one prompt, in vLLM's naming; validated when built.
+
+    temperature: 0 = greedy (the default here, unlike vLLM's 1.0).
+    top_p: nucleus mass in (0, 1]; top_k: 0 = off.
+    max_tokens: new tokens at most (the prompt not counted).
+    stop: strings that end the output; the text is cut before the first one
+        to complete. The engine stops on token ids, so these are applied to the
+        finished output: generation still runs to EOS or max_tokens.
+    seed: the noise key of sampled rows (a uint32). Sample j of n gets seed + j.
+        None draws a fresh seed per call; a seeded request gives the same tokens
+        whatever else is in its batch.
+    n: outputs per prompt.
+    ignore_eos: do not stop at the model's EOS tokens.
+
+    A bad value raises SamplingError (a ValueError) naming the field, with the
+    messages the CLI and the server give. Strings and lists for `stop` are
+    stored as a tuple; integer temperatures as floats.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        # Frozen: normalised values go in through object.__setattr__, once, here.
+        for f in ("temperature", "top_p", "top_k", "max_tokens", "n"):
+            object.__setattr__(self, f, check_value(f, getattr(self, f)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_value("seed", self.seed))
+        object.__setattr__(self, "stop", check_stop(self.stop))
+        check_bool("ignore_eos", self.ignore_eos)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every sample is the same, and seeds do not matter."""
+        return self.temperature == 0
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def sampling_list(sampling: "SamplingParams | Sequence[SamplingParams] | None", count: int,
+                  default: SamplingParams | None = None) -> list[SamplingParams]:
+    """One SamplingParams per prompt: `sampling` repeated, or its list when it has one per prompt."""
+    if sampling is None:
+        return [default or SamplingParams()] * count
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * count
+    if not isinstance(sampling, (list, tuple)) or not all(isinstance(s, SamplingParams) for s in sampling):
+        raise SamplingError("sampling", "sampling must be a SamplingParams or a list of them, got "
+                                        f"{type(sampling).__name__}")
+    if len(sampling) != count:
+        raise SamplingError("sampling", f"sampling has {len(sampling)} entries for {count} prompts")
+    return list(sampling)
