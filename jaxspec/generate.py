@@ -1,4 +1,4 @@
-"""`python -m jaxspec.generate`: the main CLI. Scripts and benchmarks build on it.
+"""`python -m jaxspec.generate`: the main CLI, built on `jaxspec.LLM` (jaxspec/api.py).
 
     python -m jaxspec.generate --prompt "Write a haiku about TPUs."
     python -m jaxspec.generate --prompts in.jsonl --output out.jsonl --batch-size 8
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import Any
+
+# Re-exported: the server and the trainer import them from here.
+from jaxspec.api import build_draft, stop_token_ids  # noqa: F401
 
 # (CLI flag dest, config key): flags override the --config file, which overrides defaults.
 FLAG_KEYS = {
@@ -138,151 +140,83 @@ def config_from_args(args, *, base=None, extra_keys: dict[str, str] | None = Non
     return load_config(args.config, overrides, base=base)
 
 
-# (field, integer?, accepts(value), what it must be): a JSONL line's own sampling fields.
-# Bounds follow the device arrays: top_k is int32, the noise is keyed by a uint32 seed.
-LINE_FIELDS = (
-    ("max_new_tokens", True, lambda v: v >= 1, "an integer >= 1"),
-    ("temperature", False, lambda v: v >= 0, "a finite number >= 0"),
-    ("top_p", False, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    ("top_k", True, lambda v: 0 <= v < 2**31, "an integer in [0, 2^31)"),
-    ("seed", True, lambda v: 0 <= v < 2**32, "an integer in [0, 2^32)"),
-)
-
-
-def line_number(value: Any, integer: bool) -> int | float | None:
-    """`value` as a number, or None. JSON's NaN/Infinity, true/false and, for an
-    integer, 2.7 are refused rather than turned into something the line never said."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if isinstance(value, float):
-        if not math.isfinite(value) or (integer and not value.is_integer()):
-            return None
-        return int(value) if integer else value
-    return value if integer else float(value)
-
-
-def line_sampling(entry: dict, defaults: dict[str, Any], where: str) -> dict[str, Any]:
+def line_sampling(entry: dict, s, i: int):
+    """The SamplingParams of input line i: its own max_new_tokens, temperature, top_p, top_k and
+    seed over the [sampling] defaults (request i's seed is seed+i). PromptError naming the line."""
     from jaxspec.prompts import PromptError
+    from jaxspec.sampling_params import ENGINE_FIELDS, SamplingError, SamplingParams, check_value
 
-    out = {}
-    for key, integer, ok, what in LINE_FIELDS:
-        if key not in entry:
-            out[key] = defaults[key]
-            continue
-        v = line_number(entry[key], integer)
-        if v is None or not ok(v):
-            raise PromptError(f"{where}: {key} must be {what}, got {json.dumps(entry[key])[:60]}")
-        out[key] = v
-    return out
-
-
-def build_requests(entries: list[dict], tokenizer, cfg, stop_ids: tuple[int, ...]):
-    from jaxspec.engine import Request
-    from jaxspec.prompts import encode_entry
-
-    s = cfg.sampling
-    requests = []
-    for i, entry in enumerate(entries):
-        where = entry.get("_where", f"prompt {i}")
-        ids = encode_entry(entry, tokenizer, where)
-        defaults = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                    "top_k": s.top_k, "seed": (s.seed + i) % 2**32}
-        requests.append(Request(prompt_ids=ids, stop_token_ids=() if s.ignore_eos else stop_ids,
-                                **line_sampling(entry, defaults, where)))
-    return requests
+    values = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+              "top_k": s.top_k, "seed": (s.seed + i) % 2**32}
+    for key, field in ENGINE_FIELDS.items():
+        if key in entry:
+            try:
+                values[key] = check_value(field, entry[key], key)
+            except SamplingError as e:
+                raise PromptError(f"{entry.get('_where', f'prompt {i}')}: {e}") from None
+    return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos, **values)
 
 
-def stop_token_ids(model) -> tuple[int, ...]:
-    ids = set(model.config.eos_token_ids)
-    tok = model.tokenizer
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def build_draft(cfg, model, dtype, progress):
-    """(params, config) of the draft model or head the spec needs, or None (`drafters.load`)."""
-    from jaxspec.speculative.drafters.load import load_draft
-
-    return load_draft(cfg.spec, model, dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
-
-
-def run(args) -> int:
-    import jax.numpy as jnp
-
-    from jaxspec.config import ConfigValueError
-    from jaxspec.engine import Engine
-    from jaxspec.models.loading import load_model
-    from jaxspec.models.sharding import setup_mesh
-    from jaxspec.prompts import PromptError, read_jsonl
-
-    mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
-    cfg = config_from_args(args)
-    if args.profile_phases and cfg.spec.algorithm.lower() == "none":
-        raise ConfigValueError("--profile-phases times the phases of speculative decoding: it needs --spec")
-    progress = not args.quiet
-    if args.prompt is not None:
-        entries = [{"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}]
-    else:
-        entries = read_jsonl(args.prompts)
-
-    t0 = time.perf_counter()
-    dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
-    model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
-    if args.prompt is not None and not args.raw and not getattr(model.tokenizer, "chat_template", None):
-        entries = [{"prompt": args.prompt}]
-    requests = build_requests(entries, model.tokenizer, cfg, stop_token_ids(model))
-    spec_on = cfg.spec.algorithm.lower() != "none"
-    draft = build_draft(cfg, model, dtype, progress) if spec_on else None
-    corpus = None
-    if spec_on and cfg.spec.ngram_corpus:
-        from jaxspec.speculative.ngram import corpus_token_array
-
-        try:
-            corpus = corpus_token_array(cfg.spec.ngram_corpus, model.tokenizer, vocab_size=model.config.vocab_size)
-        except (ValueError, KeyError) as e:  # json errors are ValueErrors
-            raise PromptError(f"--ngram-corpus {cfg.spec.ngram_corpus}: {e}") from None
-    engine = Engine(model.params, model.config, cfg.engine, progress=progress,
-                    spec=cfg.spec if spec_on else None, draft=draft, ngram_corpus=corpus, mesh=mesh,
-                    benchmark=True)  # simulate_accept_length output is labelled non-exact
-    model.params = draft = None  # the engine holds its own runtime layout; free the loader's copy
-    engine.compile(sorted({bucket for _, bucket in engine.plan(requests)}))
-    t_ready = time.perf_counter()
-    results = engine.generate(requests)
-
+def write_outputs(outputs, args, simulated: bool, has_tokenizer: bool) -> None:
+    """JSONL lines to --output, or the texts on stdout (unless --quiet)."""
     out_file = open(args.output, "w", encoding="utf-8") if args.output else None
     try:
-        for res in results:
-            text = model.tokenizer.decode(res.output_ids, skip_special_tokens=True) if model.tokenizer else ""
-            line = {"prompt_ids": res.prompt_ids, "output_ids": res.output_ids, "text": text,
+        for res in outputs:
+            line = {"prompt_ids": res.prompt_token_ids, "output_ids": res.token_ids, "text": res.text,
                     "finish_reason": res.finish_reason}
             if res.accept_lengths is not None:
                 line["accept_lengths"] = res.accept_lengths
-                if cfg.spec.simulate_accept_length:
+                if simulated:
                     line["exact"] = False
             if out_file:
                 out_file.write(json.dumps(line) + "\n")
             elif not args.quiet:
-                print(text if model.tokenizer else json.dumps(res.output_ids))
+                print(res.text if has_tokenizer else json.dumps(res.token_ids))
                 print("-" * 40)
     finally:
         if out_file:
             out_file.close()
-    t = engine.last_timing
-    decode_tps = t["new_tokens"] / t["decode_s"] if t["decode_s"] > 0 else float("nan")
+
+
+def run(args) -> int:
+    from jaxspec.api import LLM
+    from jaxspec.config import ConfigValueError
+    from jaxspec.models.sharding import setup_mesh
+    from jaxspec.prompts import read_jsonl
+
+    mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
+    cfg = config_from_args(args)
+    spec_on = cfg.spec.algorithm.lower() != "none"
+    if args.profile_phases and not spec_on:
+        raise ConfigValueError("--profile-phases times the phases of speculative decoding: it needs --spec")
+    if args.prompt is not None:
+        entries = [{"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}]
+    else:
+        entries = read_jsonl(args.prompts)
+    sampling = [line_sampling(e, cfg.sampling, i) for i, e in enumerate(entries)]  # before minutes of loading
+
+    t0 = time.perf_counter()
+    # benchmark=True: --simulate-accept-length is allowed, its output labelled non-exact.
+    llm = LLM.from_config(cfg, mesh=mesh, progress=not args.quiet, benchmark=True, corpus_label="--ngram-corpus")
+    if args.prompt is not None and not args.raw and not getattr(llm.tokenizer, "chat_template", None):
+        entries = [{"prompt": args.prompt}]
+    llm.compile(entries, sampling)  # so load+compile and generation are timed apart
+    t_ready = time.perf_counter()
+    outputs = llm.generate(entries, sampling)
+    write_outputs(outputs, args, bool(cfg.spec.simulate_accept_length), llm.tokenizer is not None)
+
+    t = llm.spec_stats()
+    tok_s = t["decode_tok_s"] or float("nan")
     print(
-        f"prompts={len(results)} new_tokens={t['new_tokens']} load+compile={t_ready - t0:.1f}s "
-        f"prefill={t['prefill_s']:.2f}s decode={t['decode_s']:.2f}s decode_tok/s={decode_tps:.1f}",
+        f"prompts={len(outputs)} new_tokens={t['new_tokens']} load+compile={t_ready - t0:.1f}s "
+        f"prefill={t['prefill_s']:.2f}s decode={t['decode_s']:.2f}s decode_tok/s={tok_s:.1f}",
         file=sys.stderr,
     )
     if spec_on:
-        from jaxspec.speculative.metrics import batch_metrics
-
-        _, total = batch_metrics([r.accept_lengths for r in results], cfg.spec.num_draft_tokens - 1)
         label = f"spec[{cfg.spec.algorithm}]" + (" SIMULATED, output not exact" if cfg.spec.simulate_accept_length else "")
-        print(total.summary_line(label), file=sys.stderr)
+        print(llm.metrics.summary_line(label), file=sys.stderr)
         if args.profile_phases:
-            split = engine.profile_phases(requests)
+            split = llm.profile_phases(entries, sampling)
             sec, tot = split["seconds"], split["total_s"] or float("nan")
             print("time split (phases timed apart, first batch): " + " ".join(
                 f"{k}={v:.2f}s ({100 * v / tot:.0f}%)" for k, v in sec.items()), file=sys.stderr)
@@ -296,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.models.loading import LoadError
     from jaxspec.models.sharding import MeshError
     from jaxspec.prompts import PromptError
+    from jaxspec.sampling_params import SamplingError
     from jaxspec.cache.paged import CacheMemoryError, OutOfPagesError
     from jaxspec.speculative.algorithm import SpecConfigError
     from jaxspec.native.build import NativeKernelError
@@ -303,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, OutOfPagesError,
-            CacheMemoryError, MeshError, NativeKernelError, OSError) as e:
+    except (ConfigValueError, SpecConfigError, RequestError, ConfigError, LoadError, PromptError, SamplingError,
+            OutOfPagesError, CacheMemoryError, MeshError, NativeKernelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
