@@ -371,18 +371,24 @@ class Engine:
                 todo.append(("decode", b, ctx))
         todo = list(dict.fromkeys(todo))
         for key in tqdm(todo, desc="compiling buckets", disable=not self.progress or not todo):
-            with self.mesh_context():
-                if key[0] == "prefill":
-                    _, b, lb, ctx = key
-                    lowered = self._prefill.lower(*self._prefill_args(*self._abstract_inputs(b, lb, ctx)), ctx)
-                else:
-                    _, b, ctx = key
-                    state = jax.eval_shape(
-                        lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
-                    )
-                    # Decode's inputs are exactly prefill's (pinned) outputs.
-                    lowered = self._decode.lower(*self._decode_args(shd.abstract_state(state, self.mesh)))
+            with self.mesh_context():  # shard_map'd kernels lower against the mesh in context
+                lowered = self.trace(key).lower()
             self._compiled[key] = lowered.compile()
+
+    def trace(self, key: tuple) -> jax.stages.Traced:
+        """The traced executable of a bucket key: ("prefill", batch, prompt_len, context) or
+        ("decode", batch, context). `.lower(lowering_platforms=...)` lowers it for another
+        platform (`jaxspec.bench.lower`)."""
+        with self.mesh_context():
+            if key[0] == "prefill":
+                _, b, lb, ctx = key
+                return self._prefill.trace(*self._prefill_args(*self._abstract_inputs(b, lb, ctx)), ctx)
+            _, b, ctx = key
+            state = jax.eval_shape(
+                lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
+            )
+            # Decode's inputs are exactly prefill's (pinned) outputs.
+            return self._decode.trace(*self._decode_args(shd.abstract_state(state, self.mesh)))
 
     def _prefill_args(self, tokens, lens, page_table, sampling) -> tuple:
         if self.spec_plan is None:

@@ -56,6 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas import target_platform
+
 # Same value as the reference: finite, so fully masked key blocks never make NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -181,7 +183,7 @@ def paged_attention_pallas(
         raise ValueError("page_table, q_start and kv_len must have the batch size of q")
     if tree_mask is not None and tree_mask.shape != (b, t, t):
         raise ValueError(f"tree_mask must be {(b, t, t)}, got {tree_mask.shape}")
-    if not interpret and jax.default_backend() == "tpu":
+    if not interpret and target_platform() == "tpu":
         # The Triton path's ref gathers do not lower on Mosaic TPU (module doc). The
         # fallback is the dispatcher's (jaxspec.cache.attention.paged_attention), so
         # this kernel never imports its reference.

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxspec.pallas import target_platform
+
 # The shared leaf module, not jaxspec.speculative.tree: that module dispatches
 # to this kernel, and a kernel never imports its callers.
 from jaxspec.speculative.types import TreeInfo, assemble_tree_info, node_valid, num_mask_words
@@ -86,13 +88,13 @@ def _tree_kernel(prefix_ref, prow_ref, pcol_ref, trow_ref, tcol_ref,
 
 def _target_platform() -> str:
     # A seam for tests that cross-lower to GPU/TPU from a CPU host.
-    return jax.default_backend()
+    return target_platform()
 
 
-def _compiler_params(interpret: bool):
+def _compiler_params(interpret: bool, platform: str | None = None):
     if interpret:
         return None
-    backend = _target_platform()
+    backend = platform or _target_platform()
     if backend == "gpu":
         # Explicit Triton params: in JAX 0.10 pallas_call on GPU otherwise
         # lowers through Mosaic GPU (jax_pallas_use_mosaic_gpu defaults True).
@@ -106,7 +108,7 @@ def _compiler_params(interpret: bool):
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("max_kv", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_kv", "interpret", "platform"))
 def build_tree_pallas(
     tokens: jax.Array,  # [B, N] int32; < 0 marks padding
     parents: jax.Array,  # [B, N] int32; parents[:, 0] = -1, parents[:, i] < i
@@ -114,8 +116,13 @@ def build_tree_pallas(
     *,
     max_kv: int | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> TreeInfo:
-    """Kernel version of `jaxspec.speculative.tree.build_tree_ref` (same outputs)."""
+    """Kernel version of `jaxspec.speculative.tree.build_tree_ref` (same outputs).
+
+    `platform` (default: `_target_platform()`) picks the compiler params; the
+    dispatcher passes it so that jit's trace cache keys on it, and a trace made
+    for one platform is never reused when lowering for another."""
     b, n = tokens.shape
     np_ = _padded_nodes(n)
     n_words = num_mask_words(n)  # real rows have no bits past column n
@@ -144,7 +151,7 @@ def build_tree_pallas(
         out_shape=[jax.ShapeDtypeStruct((b, np_, np_), jnp.int32), col, col, col, col,
                    jax.ShapeDtypeStruct((b, n_words, np_, 1), jnp.int32)],
         interpret=interpret,
-        compiler_params=_compiler_params(interpret),
+        compiler_params=_compiler_params(interpret, platform),
         name="build_tree",
     )(prefix, par[:, None, :], par[:, :, None], tok[:, None, :], tok[:, :, None])
 

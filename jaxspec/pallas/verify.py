@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas import target_platform
 from jaxspec.speculative.types import VerifyResult, in_vocab
 
 DEFAULT_VOCAB_TILE = 2048
@@ -66,13 +67,13 @@ def _use_reference(interpret: bool) -> bool:
     """True where these kernels cannot run (not interpreting, not on GPU): the
     caller must use the jnp reference. Tests patch it to lower for CUDA from a
     CPU host."""
-    return not interpret and jax.default_backend() != "gpu"
+    return not interpret and target_platform() != "gpu"
 
 
 def _check_runnable(interpret: bool, name: str) -> None:
     if _use_reference(interpret):
         raise NotImplementedError(
-            f"{name}: the Triton kernel does not run on {jax.default_backend()!r}; call the "
+            f"{name}: the Triton kernel does not run on {target_platform()!r}; call the "
             f"dispatcher in jaxspec.speculative.verify, which runs the jnp reference there, "
             f"or pass interpret=True")
 

@@ -197,21 +197,26 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         todo = [k for k in keys if k not in self._compiled]
-        e = self.engine
         for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
-            with e.mesh_context():
-                if key[0] == "prefill":
-                    _, b, c = key
-                    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-                    batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
-                                                self._sampling_struct(b)), e.mesh)
-                    lowered = self._prefill.lower(e.params, e.draft_params, self.store, batch[0], e.cache, *batch[1:])
-                else:
-                    _, k, b, ctx = key
-                    slots, state = shd.abstract_state((self._slots_struct(b), self._state_struct(b, ctx)), e.mesh)
-                    lowered = self._decode[k].lower(e.params, e.draft_params, self.store, slots, state)
-                self._compiled[key] = lowered.compile()
+            with self.engine.mesh_context():  # shard_map'd kernels lower against the mesh in context
+                lowered = self.trace(key).lower()
+            self._compiled[key] = lowered.compile()
             self.num_compiles += 1
+
+    def trace(self, key: tuple) -> jax.stages.Traced:
+        """The traced executable of a key of `all_keys`; `.lower(lowering_platforms=...)`
+        lowers it for another platform (`jaxspec.bench.lower`)."""
+        e = self.engine
+        with e.mesh_context():
+            if key[0] == "prefill":
+                _, b, c = key
+                i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+                batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
+                                            self._sampling_struct(b)), e.mesh)
+                return self._prefill.trace(e.params, e.draft_params, self.store, batch[0], e.cache, *batch[1:])
+            _, k, b, ctx = key
+            slots, state = shd.abstract_state((self._slots_struct(b), self._state_struct(b, ctx)), e.mesh)
+            return self._decode[k].trace(e.params, e.draft_params, self.store, slots, state)
 
     def calibrate(self) -> None:
         """Time a decode call per (k, batch bucket, context bucket) on dummy rows: the

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxspec.pallas import interpret_mode, use_kernel
+from jaxspec.pallas import interpret_mode, target_platform, use_kernel
 
 # The containers and their constructors live in a leaf module that the Pallas
 # kernel imports too; re-exported here, where the convention is documented.
@@ -168,7 +168,7 @@ def build_tree(
         from jaxspec.pallas.tree_build import build_tree_pallas
 
         return build_tree_pallas(tokens, parents, prefix_lens, max_kv=max_kv,
-                                 interpret=interpret_mode())
+                                 interpret=interpret_mode(), platform=target_platform())
     return build_tree_ref(tokens, parents, prefix_lens, max_kv=max_kv)
 
 
