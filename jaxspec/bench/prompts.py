@@ -59,21 +59,6 @@ def humaneval_prompts(n: int) -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows[:n]]
 
 
-def sharegpt_heldout_prompts(n: int) -> list[str]:
-    """First user turns of ShareGPT's held-out split: the conversations drafter training never sees
-    (jaxspec.train.data.split_of), in file order."""
-    from jaxspec.train.data import sharegpt_conversations
-
-    out = []
-    for conv in sharegpt_conversations("heldout"):
-        text = conv.messages[0]["content"]
-        if 16 <= len(text) <= 2000:  # a prompt, not a pasted document
-            out.append(text)
-        if len(out) >= n:
-            break
-    return out
-
-
 # Long enough (150+ tokens) that 128 new tokens stay inside the copy.
 _PASSAGES = [
     "The history of computing is longer than the history of computing hardware and modern computing "

@@ -165,11 +165,12 @@ SETS = ("copy-humaneval", "copy-repeat", "mtbench", "humaneval", "sharegpt-heldo
 
 def prompt_sets(tokenizer, names, n: int) -> dict[str, list[list[int]]]:
     from jaxspec.bench import prompts as ps
+    from jaxspec.train.data import sharegpt_heldout_prompts
 
     makers = {"copy-humaneval": ("copy: HumanEval rewrite", ps.humaneval_rewrite_prompts),
               "copy-repeat": ("copy: repeat text", lambda n: ps.repeat_prompts(min(n, ps.NUM_PASSAGES))),
               "mtbench": ("MT-Bench", ps.mtbench_questions), "humaneval": ("HumanEval", ps.humaneval_prompts),
-              "sharegpt-heldout": ("ShareGPT held-out", ps.sharegpt_heldout_prompts)}
+              "sharegpt-heldout": ("ShareGPT held-out", sharegpt_heldout_prompts)}
     bad = [x for x in names if x not in makers]
     if bad:
         raise SystemExit(f"--sets: unknown {', '.join(bad)}; sets: {', '.join(SETS)}")

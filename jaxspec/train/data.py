@@ -165,6 +165,19 @@ def sharegpt_conversations(split: str = "train", *, path: str | Path | None = No
         yield Conversation(item["id"], tuple(msgs))
 
 
+def sharegpt_heldout_prompts(n: int) -> list[str]:
+    """First user turns of ShareGPT's held-out split: the conversations drafter training never sees
+    (split_of), in file order: the benchmark's held-out prompt set."""
+    out = []
+    for conv in sharegpt_conversations("heldout"):
+        text = conv.messages[0]["content"]
+        if 16 <= len(text) <= 2000:  # a prompt, not a pasted document
+            out.append(text)
+        if len(out) >= n:
+            break
+    return out
+
+
 # --------------------------------------------------------------------------- #
 # Sequences
 # --------------------------------------------------------------------------- #
