@@ -68,8 +68,9 @@ def run_batched(engine, prompts, max_new: int, batch: int, reps: int = 1) -> lis
 def acceptance_by_position(lens: list[int], k: int) -> list[float]:
     """P(draft position i is accepted), i = 1..k, over verify steps: a step committing L tokens
     accepted its first L - 1 drafts (the last token is the bonus)."""
-    a = np.asarray(lens, np.int64) - 1
-    return [float(np.mean(a >= i)) if len(a) else float("nan") for i in range(1, k + 1)]
+    from jaxspec.speculative.metrics import accept_length_counts, position_acceptance
+
+    return list(position_acceptance(accept_length_counts(lens), k))
 
 
 @dataclasses.dataclass
