@@ -106,6 +106,8 @@ def engines_report(model) -> dict:
                 "head": str(engine.params["head"].sharding.spec), "embed": str(engine.params["embed"].sharding.spec),
             }
             rows[f"{shape}_pages_used"] = engine.allocator.num_used
+            # Pages split over "data": each device holds 1/data of the page axis.
+            rows[f"{shape}_cache_pages"] = [engine.cache.k.shape[1], engine.cache.k.addressable_shards[0].data.shape[1]]
             if shape == "2x4" and mode == "plain":
                 # Stacked [L, ...] layers under lax.scan: the GPU/TPU layout.
                 scan = make_engine(model, make_mesh(shape), spec, layer_loop="scan")
@@ -119,6 +121,25 @@ def engines_report(model) -> dict:
                     lambda: engine.generate([Request(PROMPTS[0], max_new_tokens=40)]))
         report[mode] = rows
     return report
+
+
+def standalone_report(model) -> dict:
+    """The standalone drafter's own paged cache splits over "data" too: 4x2 equals one device."""
+    from jaxspec.config import EngineSection, SpecSection
+    from jaxspec.engine import Engine, Request
+    from jaxspec.models.sharding import make_mesh
+    from jaxspec.speculative.drafters.standalone import truncate_layers
+
+    ecfg = EngineSection(max_batch_size=4, max_context=64, length_buckets=(16, 32, 64), page_size=4)
+    spec = SpecSection(algorithm="standalone", topk=2, num_steps=2, num_draft_tokens=5)
+    draft = truncate_layers(model.params, model.config, 1)
+    out = {}
+    for shape in ("single", "4x2"):
+        engine = Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft,
+                        mesh=None if shape == "single" else make_mesh(shape))
+        out[shape] = [r.output_ids for r in engine.generate([Request(p, max_new_tokens=6) for p in PROMPTS])]
+        out[f"{shape}_draft_cache"] = str(getattr(engine.draft_cache.k.sharding, "spec", None))
+    return out
 
 
 def padding_report(model_dir: Path, tmp: Path) -> dict:
@@ -263,6 +284,7 @@ def main(out_path: str) -> None:
         write_tiny_checkpoint(tmp / "tiny")
         model = load_model(str(tmp / "tiny"), progress=False)
         report["engines"] = engines_report(model)
+        report["standalone"] = standalone_report(model)
         report["kernel"] = kernel_report()
         report["cli"] = cli_report(tmp / "tiny", tmp)
         report["serve"] = serve_report(tmp / "tiny")

@@ -54,13 +54,24 @@ def test_greedy_under_mesh_equals_single_device(report, mode):
 
 def test_params_and_cache_layouts(report):
     specs = report["engines"]["plain"]["2x4_specs"]
-    assert specs["cache"] == "P(None, None, None, 'model')"  # KV heads over "model", pages replicated
+    assert specs["cache"] == "P(None, 'data', None, 'model')"  # pages over "data", KV heads over "model"
     assert specs["wq"] == "P(None, 'model')"  # column split: [in, out]
     assert specs["wo"] == "P('model', None)"  # row split
     assert specs["bk"] == "P('model',)"
     assert specs["head"] == "P(None, 'model')"  # vocab split
     assert specs["embed"] == "P()"
     assert report["engines"]["plain"]["4x2_decode_all_reduce"], "row-split layers must all-reduce"
+
+
+def test_pages_split_over_data(report):
+    """Each device holds 1/data of the page axis (one pool per data shard, each with its null page)."""
+    for mode in ("plain", "ngram"):
+        for shape in MESHES:
+            total, local = report["engines"][mode][f"{shape}_cache_pages"]
+            assert local * int(shape.split("x")[0]) == total, (mode, shape)
+    rows = report["standalone"]
+    assert rows["4x2"] == rows["single"] and all(len(r) == 6 for r in rows["single"])
+    assert rows["4x2_draft_cache"] == "P(None, 'data', None, 'model')"
 
 
 def test_stacked_layers_under_mesh(report):

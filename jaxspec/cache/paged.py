@@ -165,6 +165,59 @@ class PageAllocator:
         return {"total": self.total, "used": self.num_used, "free": self.num_free}
 
 
+class ShardedPageAllocator:
+    """One `PageAllocator` per "data" shard, over that shard's slice of the page axis.
+
+    With the cache's pages split over "data", a batch row can only use pages of
+    the shard that runs it: `allocate(seq_id, n, shard)` takes them from that
+    shard's pool, and page-table rows hold shard-local ids (each shard's page 0
+    is its null page), which is what the per-shard code indexes."""
+
+    def __init__(self, num_shards: int, pages_per_shard: int, page_size: int):
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        self.pools = [PageAllocator(pages_per_shard, page_size) for _ in range(num_shards)]
+        self.num_pages = num_shards * pages_per_shard
+        self.page_size = page_size
+        self._shard: dict[object, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.pools)
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.num_free for p in self.pools)
+
+    @property
+    def num_used(self) -> int:
+        return sum(p.num_used for p in self.pools)
+
+    def allocate(self, seq_id, num_tokens: int, shard: int = 0) -> list[int]:
+        if self._shard.setdefault(seq_id, shard) != shard:
+            raise ValueError(f"sequence {seq_id!r} holds pages on shard {self._shard[seq_id]}, not {shard}")
+        try:
+            return self.pools[shard].allocate(seq_id, num_tokens)
+        except OutOfPagesError as e:
+            if not self.pools[shard].owned(seq_id):
+                self._shard.pop(seq_id)
+            raise OutOfPagesError(f"data shard {shard}: {e}") from None
+
+    def free(self, seq_id) -> int:
+        shard = self._shard.pop(seq_id, None)
+        return 0 if shard is None else self.pools[shard].free(seq_id)
+
+    def free_all(self) -> None:
+        for seq_id in list(self._shard):
+            self.free(seq_id)
+
+    def page_table_row(self, seq_id, max_pages: int) -> np.ndarray:
+        return self.pools[self._shard.get(seq_id, 0)].page_table_row(seq_id, max_pages)
+
+    def usage(self) -> dict[str, int]:
+        return {"total": self.total, "used": self.num_used, "free": self.num_free}
+
+
 # ---- sizing against memory ---------------------------------------------------------
 
 

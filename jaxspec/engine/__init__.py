@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache.paged import KVCache, PageAllocator, check_cache_fits
+from jaxspec.cache.paged import KVCache, PageAllocator, ShardedPageAllocator, check_cache_fits
 from jaxspec.config import EngineSection
 from jaxspec.models import sharding as shd
 from jaxspec.models.config import ModelConfig
@@ -194,7 +194,7 @@ class Engine:
     def __init__(
         self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
         spec=None, draft: tuple[dict, ModelConfig] | None = None, ngram_corpus=None,
-        mesh: jax.sharding.Mesh | None = None, benchmark: bool = False,
+        mesh: jax.sharding.Mesh | None = None, benchmark: bool = False, split_pages: bool = True,
     ):
         """`params`/`draft` params as loaded (Hugging Face layout); the engine keeps
         the runtime layout (`prepare_params`). `spec`: a SpecSection (algorithm !=
@@ -203,8 +203,12 @@ class Engine:
         n-gram drafter also matches against, on device. `mesh`: a ("data", "model")
         mesh (`sharding.make_mesh`) to shard params, caches and batches over; heads
         and MLP columns its TP size does not divide are zero-padded (exact), so
-        `self.cfg` may have more heads than `self.model_cfg`."""
+        `self.cfg` may have more heads than `self.model_cfg`. `split_pages`: with a
+        "data" axis > 1, give each data shard its own slice of the cache's pages and
+        run prefill / decode per data shard (`sharding.per_data_shard`)."""
         self.mesh = mesh
+        self.split_pages = bool(split_pages and mesh is not None and mesh.shape["data"] > 1)
+        self.num_shards = mesh.shape["data"] if self.split_pages else 1
         self.progress = progress
         self.draft_padding = None
         self.model_cfg = cfg  # as loaded; self.cfg is what runs (heads padded for the mesh)
@@ -220,13 +224,17 @@ class Engine:
         self.page_size = engine_cfg.page_size
         ctx_bucket = bucket_for(self.max_context, engine_cfg.length_buckets, "max_context")
         pages_per_seq = -(-ctx_bucket // self.page_size)
-        num_pages = engine_cfg.num_pages or engine_cfg.max_batch_size * pages_per_seq + 1
+        n = self.num_shards  # one page pool per data shard, each with its own null page
+        per_shard = (engine_cfg.num_pages // n if engine_cfg.num_pages
+                     else -(-engine_cfg.max_batch_size // n) * pages_per_seq + 1)
+        num_pages = n * per_shard
         dtype = params["embed"].dtype
         check_cache_fits((cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim), dtype, mesh)
         self.cache = shd.zeros_cache(
-            (cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim), dtype, mesh
-        )
-        self.allocator = PageAllocator(num_pages, self.page_size)
+            (cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim), dtype, mesh,
+            self.split_pages)
+        self.allocator = (ShardedPageAllocator(n, per_shard, self.page_size) if self.split_pages
+                          else PageAllocator(num_pages, self.page_size))
         self.spec_plan = None
         self.drafter = None
         self.draft_params = None
@@ -236,8 +244,9 @@ class Engine:
         if spec is not None and spec.algorithm.lower() != "none":
             self._init_spec(spec, draft, num_pages, ngram_corpus, benchmark)
         else:
-            self._prefill = jax.jit(self.pinned(make_prefill_fn(cfg)), donate_argnums=(1,), static_argnums=(6,))
-            self._decode = jax.jit(self.pinned(make_decode_fn(cfg)), donate_argnums=(1,))
+            self._prefill = jax.jit(self.pinned(make_prefill_fn(cfg), replicated=(0,), static=(6,)),
+                                    donate_argnums=(1,), static_argnums=(6,))
+            self._decode = jax.jit(self.pinned(make_decode_fn(cfg), replicated=(0,)), donate_argnums=(1,))
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
 
@@ -264,14 +273,15 @@ class Engine:
             dtype = self.params["embed"].dtype
             shape = (ccfg.num_layers, num_pages, self.page_size, ccfg.num_kv_heads, ccfg.head_dim)
             check_cache_fits(shape, dtype, self.mesh, "draft KV cache")
-            self.draft_cache = shd.zeros_cache(shape, dtype, self.mesh)
+            self.draft_cache = shd.zeros_cache(shape, dtype, self.mesh, self.split_pages)
         self._reserve = reserve_tokens(plan, drafter)
         self.draft_cfg = dcfg
         self.spec_plan = plan
         self.drafter = drafter
-        self._prefill = jax.jit(self.pinned(make_spec_prefill_fn(self.cfg, drafter)), donate_argnums=(2, 3),
-                                static_argnums=(9,))
-        self._decode = jax.jit(self.pinned(make_spec_decode_fn(plan, self.cfg, drafter)), donate_argnums=(2,))
+        self._prefill = jax.jit(self.pinned(make_spec_prefill_fn(self.cfg, drafter), replicated=(0, 1), static=(9,)),
+                                donate_argnums=(2, 3), static_argnums=(9,))
+        self._decode = jax.jit(self.pinned(make_spec_decode_fn(plan, self.cfg, drafter), replicated=(0, 1)),
+                               donate_argnums=(2,))
 
     def _draft_params(self, drafter, dparams, dcfg) -> dict:
         """{"own": the drafter's runtime params, "target": the target params it shares}.
@@ -313,15 +323,20 @@ class Engine:
         shd.validate_for_model(self.mesh, padded, what)
         return params, padded, info
 
-    def pinned(self, fn):
-        """`fn` with its output state pinned to the mesh layout (identity without a mesh)."""
+    def pinned(self, fn, replicated: tuple[int, ...] = (), static: tuple[int, ...] = ()):
+        """`fn` with its output state pinned to the mesh layout (identity without a mesh).
+
+        With split pages `fn` also runs per data shard; `replicated` / `static` name
+        its params and Python-value positional args (`sharding.per_data_shard`)."""
         if self.mesh is None:
             return fn
-        return lambda *args: shd.constrain_state(fn(*args), self.mesh)
+        if self.split_pages:
+            fn = shd.per_data_shard(fn, self.mesh, replicated, static)
+        return lambda *args: shd.constrain_state(fn(*args), self.mesh, self.split_pages)
 
     def constrain_cache(self, cache: KVCache) -> KVCache:
         """For jitted code that returns a donated cache: same sharding out as in."""
-        return shd.constrain_cache(cache, self.mesh)
+        return shd.constrain_cache(cache, self.mesh, self.split_pages)
 
     def mesh_context(self):
         """Trace/lower jitted code under this, so kernels run per shard on the mesh."""
@@ -336,7 +351,8 @@ class Engine:
     # ---- buckets and compilation -------------------------------------------------
 
     def batch_bucket(self, n: int) -> int:
-        return bucket_for(min(n, self.ecfg.max_batch_size), self.ecfg.batch_buckets, "batch size")
+        b = bucket_for(min(n, self.ecfg.max_batch_size), self.ecfg.batch_buckets, "batch size")
+        return -(-b // self.num_shards) * self.num_shards  # split pages: every data shard gets whole rows
 
     def buckets_for(self, batch: int, prompt_len: int, total_len: int) -> tuple[int, int, int]:
         if total_len > self.max_context:
@@ -357,7 +373,7 @@ class Engine:
             seed=jax.ShapeDtypeStruct((b,), jnp.uint32), stop_ids=i32(b, MAX_STOP_IDS), max_new=i32(b),
         )
         # The shardings `shard_batch` gives the real inputs in `_run_batch`.
-        return shd.abstract_state((i32(b, lb), i32(b), i32(b, maxp), sampling), self.mesh)
+        return shd.abstract_state((i32(b, lb), i32(b), i32(b, maxp), sampling), self.mesh, self.split_pages)
 
     def compile(self, buckets: Sequence[tuple[int, int, int]]) -> None:
         """AOT-compile prefill and decode for each (batch, prompt_len, context) bucket."""
@@ -388,7 +404,7 @@ class Engine:
                 lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
             )
             # Decode's inputs are exactly prefill's (pinned) outputs.
-            return self._decode.trace(*self._decode_args(shd.abstract_state(state, self.mesh)))
+            return self._decode.trace(*self._decode_args(shd.abstract_state(state, self.mesh, self.split_pages)))
 
     def _prefill_args(self, tokens, lens, page_table, sampling) -> tuple:
         if self.spec_plan is None:
@@ -460,6 +476,8 @@ class Engine:
 
         if self.spec_plan is None:
             raise RequestError("profile_phases needs speculative decoding (spec.algorithm != none)")
+        if self.split_pages:  # the phases are jitted apart, not per data shard
+            raise RequestError("profile_phases needs one page pool: build the Engine with split_pages=False")
         idx, bucket = self.plan(requests)[0]
         draft, verify, commit, observe = make_phase_fns(self.spec_plan, self.cfg, self.drafter)
         timer = PhaseTimer()
@@ -497,8 +515,13 @@ class Engine:
         seq_ids = [object() for _ in reqs]
         try:
             # 1. Pages for the whole budget up front: the loop never needs the host.
+            rows_per_shard = b // self.num_shards
             for i, (r, sid) in enumerate(zip(reqs, seq_ids)):
-                self.allocator.allocate(sid, len(r.prompt_ids) + r.max_new_tokens + self.reserve_tokens)
+                need = len(r.prompt_ids) + r.max_new_tokens + self.reserve_tokens
+                if self.split_pages:  # row i runs on data shard i // rows_per_shard: pages from its pool
+                    self.allocator.allocate(sid, need, i // rows_per_shard)
+                else:
+                    self.allocator.allocate(sid, need)
                 page_table[i] = self.allocator.page_table_row(sid, maxp)
                 tokens[i, : len(r.prompt_ids)] = r.prompt_ids
                 lens[i] = len(r.prompt_ids)
@@ -544,7 +567,7 @@ class Engine:
         for name in ("cache", "draft_cache"):
             c = getattr(self, name)
             if c is not None and c.k.is_deleted():
-                setattr(self, name, shd.zeros_cache(c.k.shape, c.k.dtype, self.mesh))
+                setattr(self, name, shd.zeros_cache(c.k.shape, c.k.dtype, self.mesh, self.split_pages))
 
     def _outputs(self, state, prompt_lens) -> tuple[list[list[int]], list[list[int]] | None]:
         """Generated tokens per row, and (speculative) committed tokens per verify step."""

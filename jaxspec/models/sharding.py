@@ -9,10 +9,12 @@
 * "data": batch rows (and everything else with a leading batch axis) are split
   over it when the batch divides, else replicated.
 
-Known limit: the page axis of the cache is replicated over "data". Splitting it
-would only save memory if the allocator handed each batch row pages from its own
-data shard and attention gathered locally (shard_map); the host allocator does
-not do that, so every data shard holds (and writes) the whole cache.
+Pages over "data" (`split_pages`, the Engine's default under a mesh with data > 1):
+each data shard owns a slice of the page axis and its own page pool
+(`cache.paged.ShardedPageAllocator`), and the whole prefill / decode function
+runs per data shard (`per_data_shard`), so attention and cache writes gather
+and scatter locally. The server's runner keeps one replicated pool (its rows
+move between batch positions, hence between shards).
 
 Every helper is the identity when `mesh` is None, so single-device code paths
 call them unconditionally.
@@ -151,9 +153,10 @@ def replicate(tree, mesh: Mesh | None):
     return jax.tree.map(lambda x: _put(x, NamedSharding(mesh, P())), tree)
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    # k/v [L, P, page_size, kvh, hd]: heads over "model"; pages replicated (see module doc).
-    return NamedSharding(mesh, P(None, None, None, "model", None))
+def cache_sharding(mesh: Mesh, split_pages: bool = False) -> NamedSharding:
+    # k/v [L, P, page_size, kvh, hd]: heads over "model"; pages over "data" only when each data
+    # shard runs its own rows on its own page pool (`per_data_shard`), else replicated.
+    return NamedSharding(mesh, P(None, "data" if split_pages else None, None, "model", None))
 
 
 def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
@@ -163,9 +166,9 @@ def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     return KVCache(k=_put(cache.k, s), v=_put(cache.v, s))
 
 
-def zeros_cache(shape: tuple[int, ...], dtype, mesh: Mesh | None) -> KVCache:
+def zeros_cache(shape: tuple[int, ...], dtype, mesh: Mesh | None, split_pages: bool = False) -> KVCache:
     """A zero cache created already sharded: it need not fit on one device first."""
-    device = None if mesh is None else cache_sharding(mesh)
+    device = None if mesh is None else cache_sharding(mesh, split_pages)
     return KVCache(k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device))
 
 
@@ -183,35 +186,76 @@ def shard_batch(tree, mesh: Mesh | None):
     return jax.tree.map(lambda x: _put(x, batch_sharding(mesh, np.shape(x))), tree)
 
 
-def state_shardings(tree, mesh: Mesh):
+def state_shardings(tree, mesh: Mesh, split_pages: bool = False):
     """Shardings for a loop state pytree: KVCache leaves by `cache_sharding`, the rest by `batch_sharding`."""
     def one(x):
         if isinstance(x, KVCache):
-            return KVCache(k=cache_sharding(mesh), v=cache_sharding(mesh))
+            return KVCache(k=cache_sharding(mesh, split_pages), v=cache_sharding(mesh, split_pages))
         return batch_sharding(mesh, x.shape)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-def abstract_state(tree, mesh: Mesh | None):
+def abstract_state(tree, mesh: Mesh | None, split_pages: bool = False):
     """ShapeDtypeStructs (e.g. from eval_shape) with the shardings `constrain_state` gives, for AOT lowering."""
     if mesh is None:
         return tree
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                        state_shardings(tree, mesh))
+                        state_shardings(tree, mesh, split_pages))
 
 
-def constrain_state(tree, mesh: Mesh | None):
+def constrain_state(tree, mesh: Mesh | None, split_pages: bool = False):
     """Inside jit: pin a state pytree to `state_shardings`, so an executable's outputs
     have exactly the shardings its (or the next executable's) inputs were compiled for."""
     if mesh is None:
         return tree
-    return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
+    return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh, split_pages))
 
 
-def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
+def constrain_cache(cache: KVCache, mesh: Mesh | None, split_pages: bool = False) -> KVCache:
     """Inside jit: return a donated cache with the sharding it came in with."""
-    return constrain_state(cache, mesh)
+    return constrain_state(cache, mesh, split_pages)
+
+
+def _data_specs(tree, data: int):
+    """shard_map specs over "data" alone: KVCache pages split, batch-leading arrays split, the rest whole."""
+    def one(x):
+        if isinstance(x, KVCache):
+            return KVCache(k=P(None, "data"), v=P(None, "data"))
+        return P("data") if x.ndim and x.shape[0] % data == 0 else P()
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def per_data_shard(fn, mesh: Mesh, replicated: tuple[int, ...], static: tuple[int, ...] = ()):
+    """`fn` run once per "data" shard (shard_map manual over "data", "model" left to GSPMD).
+
+    Each shard sees its own batch rows and its own slice of every cache's page
+    axis, so page tables hold shard-local page ids and every gather and scatter
+    of the cache stays on its shard: no code inside `fn` changes. Positional args
+    in `replicated` (params) are whole on every shard; those in `static` pass
+    through as Python values. Needs a batch that "data" divides. Output specs
+    follow the same rule at the global shapes (from eval_shape)."""
+    data = mesh.shape["data"]
+
+    def run(*args):
+        dyn = [i for i in range(len(args)) if i not in static]
+
+        def call(*dargs):
+            full = list(args)
+            for i, a in zip(dyn, dargs):
+                full[i] = a
+            return fn(*full)
+
+        dargs = [args[i] for i in dyn]
+        specs = tuple(jax.tree.map(lambda _: P(), a) if i in replicated else _data_specs(a, data)
+                      for i, a in zip(dyn, dargs))
+        out_specs = _data_specs(jax.eval_shape(call, *dargs), data)
+        # check_vma off: outputs a shard computes alone (its rows) are declared split, not checked.
+        return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names={"data"},
+                             check_vma=False)(*dargs)
+
+    return run
 
 
 def mesh_context(mesh: Mesh | None):
@@ -246,9 +290,14 @@ def shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_
     q_start, kv_len [B]; tree_mask [B, T, T] | None. Returns [B, T, H, hd].
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or AxisType.Manual in mesh.axis_types:
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names):
         return kernel(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
-    b = "data" if q.shape[0] % mesh.shape["data"] == 0 else None
+    manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+    if "model" in manual:
+        return kernel(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
+    # Inside `per_data_shard` "data" is already manual (local rows and pages): split heads only.
+    axes = {"model"} if "data" in manual else set(AXES)
+    b = "data" if "data" in axes and q.shape[0] % mesh.shape["data"] == 0 else None
     heads, pages = P(b, None, "model", None), P(None, None, "model", None)
     args, specs = [q, k_pages, v_pages, page_table, q_start, kv_len], [heads, pages, pages, P(b), P(b), P(b)]
     if tree_mask is not None:
@@ -259,7 +308,8 @@ def shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_
         return kernel(*a[:6], a[6] if len(a) > 6 else None)
 
     # check_vma off: the kernel is opaque, and with b=None its output is replicated over "data".
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, axis_names=axes,
+                         check_vma=False)(*args)
 
 
 # ---- command line --------------------------------------------------------------

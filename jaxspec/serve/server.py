@@ -161,8 +161,10 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
         # The engine's own plan is the deepest candidate (page reserve and buffers size to it).
         spec = dataclasses.replace(spec, topk=1, num_draft_tokens=max(candidates) + 1,
                                    num_steps=max(max(candidates), 1))
+    # One replicated page pool: the scheduler moves rows between batch positions, so a row's
+    # pages cannot live on one data shard (`Engine(split_pages=...)`).
     engine = Engine(model.params, model.config, engine_cfg, progress=progress, spec=spec, draft=draft,
-                    ngram_corpus=corpus, mesh=mesh)
+                    ngram_corpus=corpus, mesh=mesh, split_pages=False)
     runner = ModelRunner(engine, steps_candidates=candidates, steps_per_call=s.steps_per_call,
                          context_buckets=s.context_buckets, prefill_chunk=s.prefill_chunk,
                          max_prefill_batch=s.max_prefill_batch)
