@@ -190,6 +190,32 @@ def kernel_report() -> dict:
             text = str(jax.make_jaxpr(fn)(*placed))
         want = paged_attention_ref(*args, scale=hd**-0.5)
         out[name] = {"max_err": float(jnp.max(jnp.abs(got - want))), "shard_map": "shard_map" in text}
+    # The row kernels (tree build, greedy verify) run per shard too (`shard_kernel_rows`).
+    from jaxspec.speculative.tree import build_tree, build_tree_ref
+    from jaxspec.speculative.verify import verify_greedy, verify_greedy_ref
+
+    b, n = 4, 6
+    tokens = jnp.asarray(rng.integers(1, 50, (b, n)), jnp.int32)
+    parents = jnp.asarray(np.stack([[-1] + [int(rng.integers(0, i)) for i in range(1, n)] for _ in range(b)]),
+                          jnp.int32)
+    prefix = jnp.asarray([3, 5, 0, 7], jnp.int32)
+    # The target "predicts" each node's first child, so verification accepts a whole path.
+    tok, par = np.asarray(tokens), np.asarray(parents)
+    pred = jnp.asarray([[next((tok[r, j] for j in range(n) if par[r, j] == i), 0) for i in range(n)]
+                        for r in range(b)], jnp.int32)
+
+    def rows(tree_fn, verify_fn):
+        info = tree_fn(tokens, parents, prefix)
+        res = verify_fn(tokens, info.retrieve_next_token, info.retrieve_next_sibling, pred, max_depth=n - 1)
+        return info.positions, info.retrieve_next_token, res.accept_index, res.bonus_token
+
+    kernel_fn = jax.jit(lambda: rows(build_tree, verify_greedy))
+    with shd.mesh_context(mesh):
+        got = kernel_fn()
+        text = str(jax.make_jaxpr(kernel_fn)())
+    want = rows(build_tree_ref, verify_greedy_ref)
+    out["rows_b4"] = {"max_err": float(max(jnp.max(jnp.abs(g - w)) for g, w in zip(got, want))),
+                      "shard_map": text.count("shard_map") >= 2, "accepted": int(jnp.sum(want[2][:, 1:] >= 0))}
     os.environ.pop("JAXSPEC_KERNELS")
     return out
 

@@ -92,3 +92,28 @@ def test_analyze_reads_kernel_names():
 def test_bad_arguments(argv, message, capsys):
     assert lower.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sharded_tpu_lowering_puts_kernels_under_shard_map(tmp_path):
+    """--mesh 4x2 on 8 host devices: Mosaic calls cannot be auto-partitioned, so the tree-build kernel
+    must sit under shard_map (`sharding.shard_kernel_rows`) for the TPU lowering to succeed at all."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    env.pop("JAXSPEC_KERNELS", None)
+    argv = ["--platform", "tpu", "--mesh", "4x2", "--dump", str(tmp_path), *ARGS]
+    argv[argv.index("--batch") + 1] = "4"  # the batch "data" splits
+    proc = subprocess.run([sys.executable, "-m", "jaxspec.bench", "lower", *argv], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "report.json").read_text())
+    assert all(r["mesh"] == "4x2" for r in rows) and len(rows) == len(NAMES)
+    trees = [r for r in rows if r["roles"]["tree_build"]]
+    assert [r["name"] for r in trees] == ["spec_ngram_tree", "spec_standalone_tree"]
+    for r in trees:
+        assert "manual_computation" in (tmp_path / f"{r['name']}.mlir").read_text()

@@ -88,9 +88,10 @@ def test_second_generate_under_mesh_does_not_recompile(report):
 
 
 def test_pallas_attention_runs_per_shard_under_mesh(report):
-    for case in ("causal_b4", "tree_b1"):  # batch 4 splits over "data"; batch 1 is replicated
+    for case in ("causal_b4", "tree_b1", "rows_b4"):  # batch 4 splits over "data"; batch 1 is replicated
         assert report["kernel"][case]["shard_map"], case
         assert report["kernel"][case]["max_err"] < 1e-5, case
+    assert report["kernel"]["rows_b4"]["accepted"] > 0  # verification really walked the trees
 
 
 def test_cli_mesh_flag(report):

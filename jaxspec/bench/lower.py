@@ -13,7 +13,8 @@ Per entry point the report lists the Pallas kernels it contains, by kind: Mosaic
 (`tpu_custom_call`), Triton (`__gpu$xla.gpu.triton`), Mosaic GPU (`mosaic_gpu*`), with their kernel
 names. An entry point with no kernel of the platform runs as plain HLO there; its most frequent ops
 are listed. `--dump DIR` writes each entry point's StableHLO text to DIR/<name>.mlir and the report
-to DIR/report.json.
+to DIR/report.json. `--mesh DPxTP` lowers the sharded programs instead (kernels under shard_map, as
+on the device), over this host's devices.
 """
 
 from __future__ import annotations
@@ -100,30 +101,33 @@ def _engine_cfg(args):
                          layer_loop="scan", cpu_kernels="xla")
 
 
-def _build_engine(model, case: Case, args):
+def _build_engine(model, case: Case, args, mesh=None, split_pages: bool = True):
     from jaxspec.config import SpecSection
     from jaxspec.engine import Engine
     from jaxspec.speculative.drafters.standalone import truncate_layers
 
     spec = SpecSection(**case.spec) if case.spec else None
     draft = truncate_layers(model.params, model.config, case.draft_layers) if case.draft_layers else None
-    return Engine(model.params, model.config, _engine_cfg(args), progress=False, spec=spec, draft=draft)
+    return Engine(model.params, model.config, _engine_cfg(args), progress=False, spec=spec, draft=draft, mesh=mesh,
+                  split_pages=split_pages)
 
 
-def engine_entry_points(model, args):
+def engine_entry_points(model, args, mesh=None):
     """(name, traced) per engine case: its prefill bucket (when named) and its decode loop."""
     for case in CASES:
-        engine = _build_engine(model, case, args)
+        engine = _build_engine(model, case, args, mesh)
         if case.prefill:
             yield case.prefill, lambda e=engine: e.trace(("prefill", args.batch, args.prompt_len, args.context))
         yield case.decode, lambda e=engine: e.trace(("decode", args.batch, args.context))
 
 
-def serve_entry_points(model, args):
+def serve_entry_points(model, args, mesh=None):
     """The server's buckets (`ModelRunner.all_keys`): chunked prefill, and decode per draft length k (0 = plain)."""
     from jaxspec.serve.runner import ModelRunner
 
-    engine = _build_engine(model, Case({"algorithm": "ngram", "num_draft_tokens": 4}, None, ""), args)
+    # One page pool, as `build_server` makes it.
+    engine = _build_engine(model, Case({"algorithm": "ngram", "num_draft_tokens": 4}, None, ""), args, mesh,
+                           split_pages=False)
     runner = ModelRunner(engine, steps_candidates=(0, 3), steps_per_call=4, context_buckets=(args.context,),
                          prefill_chunk=args.prompt_len, max_prefill_batch=args.batch)
     for key in runner.all_keys():
@@ -136,18 +140,20 @@ def serve_entry_points(model, args):
 
 def lower_all(model, args) -> list[dict]:
     """Trace every entry point for `args.platform`, lower it, and analyze (and dump) its StableHLO."""
+    from jaxspec.models.sharding import make_mesh
     from jaxspec.pallas import lowering_for
 
     platform = PLATFORMS[args.platform]
+    mesh = make_mesh(args.mesh) if args.mesh else None
     dump = Path(args.dump) if args.dump else None
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
     rows = []
     for source in (engine_entry_points, serve_entry_points):
-        for name, trace in source(model, args):
+        for name, trace in source(model, args, mesh):
             with lowering_for(platform):
                 text = trace().lower(lowering_platforms=(platform,)).as_text()
-            rows.append(analyze(name, text, args.platform))
+            rows.append({**analyze(name, text, args.platform), "mesh": args.mesh})
             if dump:
                 (dump / f"{name}.mlir").write_text(text)
     if dump:
@@ -212,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt / prefill-chunk bucket (default 32)")
     p.add_argument("--context", type=int, default=256, help="context bucket (default 256)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--mesh", metavar="DPxTP", help="lower sharded over a data x model mesh of this host's devices "
+                   "(e.g. 4x2 with XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     return p
 
 
@@ -225,12 +233,15 @@ def _check(args) -> None:
 
 def main(argv=None) -> int:
     from jaxspec.models.config import ConfigError, LoadError
+    from jaxspec.models.sharding import MeshError, make_mesh
 
     args = build_parser().parse_args(argv)
     try:
         _check(args)
+        if args.mesh:
+            make_mesh(args.mesh)  # a bad or too-large mesh fails before loading
         model = load(args)
-    except (ValueError, ConfigError, LoadError, OSError) as e:
+    except (ValueError, ConfigError, LoadError, OSError, MeshError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = lower_all(model, args)

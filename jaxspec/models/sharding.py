@@ -312,6 +312,35 @@ def shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_
                          check_vma=False)(*args)
 
 
+def shard_kernel_rows(kernel, *args):
+    """Run a row-wise kernel (tree build, verify) per shard when a mesh with auto axes is in context.
+
+    GSPMD cannot partition an opaque kernel, and Mosaic TPU calls refuse to be
+    (they must sit under shard_map). Rows split over "data" when it is auto and
+    divides the batch; every other axis sees whole (replicated) inputs, so each
+    device runs the kernel on its rows. Array args and outputs lead with the
+    batch axis or are replicated; non-array args (Python scalars, None) pass as is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set() if mesh.empty else {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+    if not auto:
+        return kernel(*args)
+    arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+    b = args[arrays[0]].shape[0]
+    split = "data" in auto and mesh.shape["data"] > 1 and b % mesh.shape["data"] == 0
+
+    def call(*arr):
+        full = list(args)
+        for i, a in zip(arrays, arr):
+            full[i] = a
+        return kernel(*full)
+
+    spec = lambda x: P("data") if split and x.ndim and x.shape[0] == b else P()  # noqa: E731
+    arr = [args[i] for i in arrays]
+    out_specs = jax.tree.map(spec, jax.eval_shape(call, *arr))
+    return jax.shard_map(call, mesh=mesh, in_specs=tuple(spec(a) for a in arr), out_specs=out_specs,
+                         axis_names=auto, check_vma=False)(*arr)
+
+
 # ---- command line --------------------------------------------------------------
 
 

@@ -27,6 +27,8 @@ that turns a tree drafter's per-step top-k expansions into that convention.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -165,10 +167,12 @@ def build_tree(
         raise ValueError("build_tree: parents is required unless chain=True")
     if use_kernel():
         # Lazy: Pallas is only needed where the kernel runs.
+        from jaxspec.models.sharding import shard_kernel_rows
         from jaxspec.pallas.tree_build import build_tree_pallas
 
-        return build_tree_pallas(tokens, parents, prefix_lens, max_kv=max_kv,
-                                 interpret=interpret_mode(), platform=target_platform())
+        kernel = functools.partial(build_tree_pallas, max_kv=max_kv, interpret=interpret_mode(),
+                                   platform=target_platform())
+        return shard_kernel_rows(kernel, tokens, parents, prefix_lens)  # per shard under a mesh
     return build_tree_ref(tokens, parents, prefix_lens, max_kv=max_kv)
 
 

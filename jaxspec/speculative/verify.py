@@ -334,11 +334,11 @@ def verify_greedy(
     target_predict[current] is accepted; the walk stops when none matches (or
     at max_depth); bonus = target_predict[last accepted node]."""
     if use_kernel(_KERNEL_PLATFORMS):
+        from jaxspec.models.sharding import shard_kernel_rows
         from jaxspec.pallas.verify import verify_greedy_pallas
 
-        return verify_greedy_pallas(tokens, retrieve_next_token, retrieve_next_sibling,
-                                    target_predict, max_depth=max_depth,
-                                    interpret=interpret_mode())
+        kernel = functools.partial(verify_greedy_pallas, max_depth=max_depth, interpret=interpret_mode())
+        return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_predict)
     return verify_greedy_ref(tokens, retrieve_next_token, retrieve_next_sibling,
                              target_predict, max_depth=max_depth)
 
@@ -358,12 +358,12 @@ def verify_target_only(
     """SGLang's target-only tree sampling (module docstring). Lossless only at
     threshold_single = threshold_acc = 1.0 (the default)."""
     if use_kernel(_KERNEL_PLATFORMS):
+        from jaxspec.models.sharding import shard_kernel_rows
         from jaxspec.pallas.verify import verify_target_only_pallas
 
-        return verify_target_only_pallas(
-            tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
-            bonus_noise, threshold_single, threshold_acc, max_depth=max_depth,
-            interpret=interpret_mode())
+        kernel = functools.partial(verify_target_only_pallas, max_depth=max_depth, interpret=interpret_mode())
+        return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
+                                 bonus_noise, threshold_single, threshold_acc)
     return verify_target_only_ref(
         tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
         bonus_noise, threshold_single, threshold_acc, max_depth=max_depth)
@@ -384,11 +384,12 @@ def verify_rejection(
     draft_probs [B, N, V] is indexed by CHILD node; None means one-hot drafts
     (deterministic drafters) without materialising them."""
     if use_kernel(_KERNEL_PLATFORMS):
+        from jaxspec.models.sharding import shard_kernel_rows
         from jaxspec.pallas.verify import verify_rejection_pallas
 
-        return verify_rejection_pallas(
-            tokens, retrieve_next_token, retrieve_next_sibling, target_probs, draft_probs,
-            uniforms, bonus_noise, max_depth=max_depth, interpret=interpret_mode())
+        kernel = functools.partial(verify_rejection_pallas, max_depth=max_depth, interpret=interpret_mode())
+        return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_probs,
+                                 draft_probs, uniforms, bonus_noise)
     return verify_rejection_ref(tokens, retrieve_next_token, retrieve_next_sibling,
                                 target_probs, draft_probs, uniforms, bonus_noise,
                                 max_depth=max_depth)
