@@ -231,6 +231,25 @@ def test_padded_params_change_no_logit():
     np.testing.assert_allclose(logits(padded_params, padded), logits(params, cfg), rtol=0, atol=1e-5)
 
 
+def test_sharded_page_allocator_keeps_rows_on_their_shard():
+    from jaxspec.cache.paged import OutOfPagesError, ShardedPageAllocator
+
+    alloc = ShardedPageAllocator(num_shards=2, pages_per_shard=4, page_size=4)  # 3 usable pages per shard
+    assert alloc.total == 6 and alloc.num_pages == 8
+    alloc.allocate("a", 12, shard=0)  # 3 pages: shard 0 is full
+    alloc.allocate("b", 5, shard=1)
+    assert alloc.page_table_row("a", 4).tolist() == [1, 2, 3, 0]  # shard-local ids, null page 0
+    assert alloc.page_table_row("b", 3).tolist() == [1, 2, 0]
+    with pytest.raises(OutOfPagesError, match="data shard 0"):
+        alloc.allocate("c", 1, shard=0)
+    with pytest.raises(ValueError, match="holds pages on shard 1, not 0"):
+        alloc.allocate("b", 9, shard=0)
+    assert alloc.num_used == 5 and alloc.free("a") == 3 and alloc.free("c") == 0
+    alloc.allocate("c", 1, shard=0)
+    alloc.free_all()
+    assert alloc.usage() == {"total": 6, "used": 0, "free": 6}
+
+
 def test_helpers_are_identity_without_mesh():
     x = {"a": jax.numpy.ones((2, 3))}
     assert shd.shard_params(x, None, None) is x
