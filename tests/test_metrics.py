@@ -190,3 +190,29 @@ def test_phase_timer_default_clock_is_perf_counter():
     outer1 = time.perf_counter()
     assert inner1 - inner0 <= t.seconds["draft"] <= outer1 - outer0
     assert t.counts["draft"] == 1 and t.seconds["verify"] == 0.0 and t.counts["verify"] == 0
+
+
+def test_conditional_position_acceptance_hand_computed():
+    # Accepted drafts per step: 2, 0, 3, 1, 1 (accept lengths 3, 1, 4, 2, 2).
+    # Position 1 reached by all 5 steps, accepted by 4; position 2 reached by those 4,
+    # accepted by 2; position 3 reached by 2, accepted by 1; position 4 reached by 1, accepted by 0.
+    m = M.request_metrics([3, 1, 4, 2, 2], 3)
+    assert m.conditional_position_acceptance() == pytest.approx((4 / 5, 2 / 4, 1 / 2))
+    got = M.conditional_position_acceptance(m.accept_length_counts, 5)
+    assert got[:4] == pytest.approx((4 / 5, 2 / 4, 1 / 2, 0.0)) and math.isnan(got[4])  # no step reached 5
+    # tau is the mean of the accept lengths, bonus included: 12 / 5.
+    assert m.tau == pytest.approx(2.4)
+
+
+def test_conditional_acceptance_times_out_to_the_unconditional():
+    # Independent reference: the product of the conditional rates up to d is P(accepted >= d),
+    # and the unconditional rates sum to tau - 1 (the bonus is not a draft).
+    lens = np.random.default_rng(3).integers(1, 8, 400)
+    m = M.request_metrics(lens, 7)
+    cond, uncond = m.conditional_position_acceptance(7), m.position_acceptance(7)
+    assert np.cumprod(cond) == pytest.approx(uncond)
+    naive = [np.mean(lens - 1 >= d) / np.mean(lens - 1 >= d - 1) for d in range(1, 8)]
+    assert cond == pytest.approx(naive)
+    assert sum(uncond) + 1 == pytest.approx(m.tau)
+    # Positive control: a chain that always accepts exactly 2 drafts has conditional (1, 1, 0).
+    assert M.conditional_position_acceptance(M.accept_length_counts([3] * 5), 3) == pytest.approx((1, 1, 0))

@@ -78,6 +78,21 @@ def position_acceptance(counts: Sequence[int], max_depth: int | None = None) -> 
     return tuple(_ratio(sum(counts[d:]), steps) for d in range(1, max_depth + 1))
 
 
+def conditional_position_acceptance(counts: Sequence[int], max_depth: int | None = None) -> tuple[float, ...]:
+    """P(draft position d accepted | positions 1 .. d-1 accepted), d = 1 .. max_depth.
+
+    The EAGLE papers' per-position acceptance: of the verify steps that reached
+    position d (accepted at least d - 1 drafts), the fraction that accepted it
+    too. Unlike `position_acceptance` (unconditional) it does not decay just
+    because earlier positions failed. A position no step reached is NaN.
+    """
+    if max_depth is None:
+        max_depth = max(len(counts) - 1, 0)
+    # Steps with num_accepted >= d are those at histogram index >= d.
+    reached = [sum(counts[d:]) for d in range(max_depth + 1)]
+    return tuple(_ratio(reached[d], reached[d - 1]) for d in range(1, max_depth + 1))
+
+
 def _ratio(num: int, den: int) -> float:
     return num / den if den else math.nan
 
@@ -110,7 +125,9 @@ class SpecMetrics:
 
     @property
     def tau(self) -> float:
-        """Mean committed tokens per verify step (NaN without steps)."""
+        """tau, as the EAGLE / Medusa papers define it: mean committed tokens per verify
+        step, the bonus token included (plain decoding = 1). NaN without steps. The one
+        definition: the CLI, the API, the server and the benchmarks all read it here."""
         return _ratio(self.num_committed, self.num_verify_steps)
 
     @property
@@ -125,6 +142,9 @@ class SpecMetrics:
 
     def position_acceptance(self, max_depth: int | None = None) -> tuple[float, ...]:
         return position_acceptance(self.accept_length_counts, max_depth)
+
+    def conditional_position_acceptance(self, max_depth: int | None = None) -> tuple[float, ...]:
+        return conditional_position_acceptance(self.accept_length_counts, max_depth)
 
     # ---- combination ----------------------------------------------------
 
