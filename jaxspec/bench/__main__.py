@@ -1,4 +1,4 @@
-"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve,lower} ...`: benchmarks that print ratios measured side by side."""
+"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve,lower,ablate} ...`: benchmarks that print ratios measured side by side."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 
 SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu": "jaxspec.bench.gpu",
           "serve": "jaxspec.bench.serve", "replay": "jaxspec.bench.replay",
-          "heads": "jaxspec.bench.heads", "lower": "jaxspec.bench.lower"}
+          "heads": "jaxspec.bench.heads", "lower": "jaxspec.bench.lower",
+          "ablate": "jaxspec.bench.ablate"}
 
 
 def main(argv=None) -> int:
