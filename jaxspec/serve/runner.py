@@ -109,6 +109,8 @@ class ModelRunner:
                  context_buckets: Sequence[int], prefill_chunk: int, max_prefill_batch: int):
         if engine.spec_plan is None:
             raise ValueError("ModelRunner needs an engine built with a spec plan (k = 0 is plain decoding)")
+        if engine.split_pages:  # rows move between batch positions, so their pages cannot sit on one shard
+            raise ValueError("ModelRunner needs one page pool: build the Engine with split_pages=False")
         self.engine = engine
         self.cfg = engine.cfg
         self.page_size = engine.page_size
