@@ -181,7 +181,8 @@ def print_report(rows: list[dict], platform: str) -> None:
     kinds = NATIVE_KINDS[platform]
     table = []
     for r in rows:
-        found = "; ".join(f"{k}: {', '.join(r['kernels'][k])} ({r['kernel_calls'][k]} call sites)" for k in r["kernels"])
+        found = "; ".join(f"{k}: {', '.join(names)} ({r['kernel_calls'][k]} call sites)"
+                          for k, names in r["kernels"].items())
         other = ", ".join(f"{c} x{n}" for c, n in r["custom_calls"].items() if kernel_kind(c) is None)
         table.append([r["name"], found or "none", other or "-", r["hlo_ops"],
                       ", ".join(f"{op} {n}" for op, n in r["heavy_ops"].items()),
