@@ -226,6 +226,25 @@ def test_length_buckets_train_like_full_padding(world):
     assert a.last["loss"] != full.last["loss"]  # control: other rows, another run
 
 
+def test_eagle3_head_can_start_as_the_targets(world):
+    model = world["model"]
+    cfg = small(draft_vocab_size=50)
+    hcfg = tr.make_head_config(cfg, model.config)
+    ids = np.sort(np.random.default_rng(0).choice(model.config.vocab_size, 50, replace=False))
+    shared = tr.shared_target(model, ids)
+    p = tr.init_train_params(hcfg, shared, 0, ids, "target")
+    # The rows of the target's LM head at the draft ids, and its final norm: the head's logits of
+    # the target's own final state are the target's logits at those ids.
+    h = jnp.asarray(world["held"][0]["final"][:2, 5].astype(np.float32))
+    full = h @ shared["head"]
+    np.testing.assert_allclose(np.asarray(h @ p["lm_head"].T), np.asarray(full[:, ids]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(p["norm"]), np.asarray(shared["final_norm"]))
+    rand = tr.init_train_params(hcfg, shared, 0, ids)
+    assert not np.allclose(np.asarray(rand["lm_head"]), np.asarray(p["lm_head"]))  # control: the default differs
+    with pytest.raises(ConfigValueError, match="eagle3_head_init"):
+        small(eagle3_head_init="copy").validate()
+
+
 def test_resume_refuses_a_changed_config(world):
     run = world["tmp"].mktemp("r")
     cfg = small(total_steps=2, ttt_length=1, batch_size=16)

@@ -153,7 +153,7 @@ def export_run(run_dir, out, *, target: str = "default", dtype: str = "float32")
     hcfg = tr.make_head_config(cfg, model.config)
     ids = np.load(run / "draft_vocab.npy") if cfg.drafter == "eagle3" else None
     shared = tr.shared_target(model, ids)
-    params = tr.init_train_params(hcfg, shared, cfg.seed, ids)
+    params = tr.init_train_params(hcfg, shared, cfg.seed, ids, cfg.eagle3_head_init)
     like = {"params": params, "opt": tr.make_optimizer(cfg)[0].init(params), "step": np.zeros((), np.int32),
             "rng": np.zeros((2,), np.uint32)}
     mngr = tr._manager(run, cfg)

@@ -57,6 +57,10 @@ class TrainConfig:
     # SmolLM2); "target": the frozen target LM head serves every head (exported as version "2",
     # the ResBlocks alone: a few MB)
     medusa_head: str = "own"
+    # EAGLE-3's own LM head starts "random" (SpecForge's nn.Linear) or as the target's: its rows at
+    # the draft ids and its final norm, so the head only has to learn the target's next-state
+    # space, not a V_d x H classifier from scratch (what a small data budget cannot afford)
+    eagle3_head_init: str = "random"
     data_parallel: int = 1  # devices on a "data" mesh axis: batch rows split, params replicated
     eagle_noise: float = 0.2
     eagle_ploss_weight: float = 0.1
@@ -80,6 +84,7 @@ class TrainConfig:
             (self.num_medusa_heads >= 1, "num_medusa_heads >= 1"), (self.clip_norm > 0, "clip_norm > 0"),
             (self.medusa_labels in ("argmax", "tokens"), "medusa_labels must be argmax or tokens"),
             (self.medusa_head in ("own", "target"), "medusa_head must be own or target"),
+            (self.eagle3_head_init in ("random", "target"), "eagle3_head_init must be random or target"),
             (self.data_parallel >= 1 and self.batch_size % self.data_parallel == 0,
              f"batch_size {self.batch_size} must be a multiple of data_parallel {self.data_parallel}"),
             (self.log_every >= 1 and self.save_every >= 1 and self.eval_every >= 0, "intervals must be >= 1"),
@@ -100,7 +105,7 @@ class TrainConfig:
 
 # What must not change between a run and its resume (the rest, e.g. intervals or total_steps, may).
 _FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "medusa_head", "batch_size",
-          "max_len", "seed", "length_group")
+          "max_len", "seed", "length_group", "eagle3_head_init")
 
 
 def train_config(path=None, overrides: dict[str, Any] | None = None, *, base: TrainConfig | None = None) -> TrainConfig:
@@ -261,7 +266,7 @@ def make_head_config(cfg: TrainConfig, target_cfg):
     return hcfg
 
 
-def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None) -> dict:
+def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None, head_init: str = "random") -> dict:
     """Fresh trainable weights (init_head_params), with EAGLE-3's lm_head at the scale of a default
     nn.Linear (std 1/sqrt(H): near-uniform first predictions, as SpecForge starts; a copy of the
     target's LM head rows trained worse on the tests' corpus) and Medusa's heads copied from the
@@ -271,6 +276,10 @@ def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None) -> dict:
         rng = np.random.default_rng([seed, 1])
         dv, h = p["lm_head"].shape
         p["lm_head"] = jnp.asarray((rng.standard_normal((dv, h)) / np.sqrt(h)).astype(np.float32))
+        if head_init == "target":
+            ids = np.arange(dv) if draft_ids is None else np.asarray(draft_ids)
+            p["lm_head"] = jnp.asarray(np.asarray(shared["head"], np.float32)[:, ids].T)  # [Vd, H]
+            p["norm"] = jnp.asarray(np.asarray(shared["final_norm"], np.float32))
     elif hcfg.kind == "medusa":
         head = np.asarray(shared["head"], np.float32)  # [H, V]
         if hcfg.own_head:
@@ -475,7 +484,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
         draft_ids = None
     shared = shared_target(target, draft_ids)
     tx, sched = make_optimizer(cfg)
-    params = init_train_params(hcfg, shared, cfg.seed, draft_ids)
+    params = init_train_params(hcfg, shared, cfg.seed, draft_ids, cfg.eagle3_head_init)
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.PRNGKey(cfg.seed)}
     meta = {"step": 0, "epoch": 0, "index": 0, "tokens": 0}
