@@ -496,7 +496,9 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
         if restored is not None:
             old = json.loads((run_dir / "train_config.json").read_text())
             hints = typing.get_type_hints(TrainConfig)
-            diff = [k for k in _FIXED if _coerce(k, old.get(k), hints[k]) != getattr(cfg, k)]
+            # A key the run's config predates had its default then (the code had no other value).
+            defaults = dataclasses.asdict(TrainConfig())
+            diff = [k for k in _FIXED if _coerce(k, old.get(k, defaults[k]), hints[k]) != getattr(cfg, k)]
             if diff:
                 raise ConfigValueError(f"--resume with changed {', '.join(diff)} (run {run_dir} has "
                                        + ", ".join(f"{k}={old.get(k)!r}" for k in diff) + ")")
