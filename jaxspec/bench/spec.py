@@ -145,6 +145,7 @@ def shipped_head_methods(model) -> dict:
 
     shapes = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),
                          ("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
+                         ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8)),
                          ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
               "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5)),
                          ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))]}
