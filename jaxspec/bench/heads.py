@@ -1,8 +1,8 @@
 """`python -m jaxspec.bench heads`: what feature drafters cost, and the ceiling they can reach.
 
 Embedded model, float32, batch 1, fresh (random-weight) heads: a head's cost
-does not depend on its weights, and no trained head ships yet (the next issue
-trains them), so acceptance here is forced. Prints Markdown tables:
+does not depend on its weights, so acceptance here is forced (the shipped heads'
+measured acceptance is in `bench spec`). Prints Markdown tables:
 
 1. draft-step cost: one chain draft step of each head (its layer and its LM
    head over the draft vocabulary), as a fraction of one target decode step
