@@ -87,6 +87,10 @@ class SpecSection:
     # How an EAGLE-3 config's eagle_aux_hidden_state_layer_ids count: "output" (SpecForge /
     # SGLang: id i = the output of layer i) or "input" (vLLM: the state entering layer i).
     eagle3_layer_ids: str = "output"
+    # DSPARK's planner table (steps/s against tokens in the batch; `python -m jaxspec.bench sps`):
+    # "default" = the one measured for this platform under configs/sps/ (none: verify every
+    # draft), "flat" = verify every draft, or a JSON file.
+    sps_table: str = "default"
 
 
 @dataclasses.dataclass(frozen=True)

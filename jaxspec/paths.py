@@ -39,3 +39,16 @@ def shipped_head(algorithm: str) -> Path:
         raise FileNotFoundError(f"the shipped {algorithm} head is not at {path} (a source checkout has it under "
                                 "checkpoints/; give --draft-model DIR)")
     return path
+
+
+# DSPARK's planner tables measured per platform (`python -m jaxspec.bench sps`).
+SPS_TABLES = {"cpu": "cpu-2core.json"}
+
+
+def default_sps_table(platform: str) -> Path | None:
+    """configs/sps/<table> for `platform` ("cpu", "gpu", "tpu"), or None where none was measured."""
+    name = SPS_TABLES.get(platform)
+    if name is None:
+        return None
+    path = Path(__file__).resolve().parents[1] / "configs" / "sps" / name
+    return path if path.is_file() else None

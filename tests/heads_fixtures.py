@@ -210,3 +210,41 @@ def add_mtp_layers(target_dir, *, kind="deepseek", num_layers=1, seed=0) -> Path
     cfg["num_nextn_predict_layers"] = num_layers
     (target_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     return target_dir
+
+
+def write_block_head(d, target, *, kind="dflash", num_layers=2, block_size=8, layer_ids=(0, 1), mask_token_id=None,
+                     sliding_window=0, markov_rank=8, seed=0, prefix="") -> Path:
+    """DFlash (z-lab/dflash DFlashDraftModel: Qwen3 layers with q/k norms, fc [H, n*H], hidden_norm,
+    norm; no embedding or LM head) or DSpark (the same plus markov_head.w{1,2} and confidence_head).
+
+    `layer_ids` are written as z-lab does: the OUTPUT of target layer i (hidden_states[i + 1]).
+    `sliding_window` > 0 makes the last layer a sliding_attention layer with that window.
+    """
+    g, r = geom(target), _Rand(seed)
+    h = g.hidden
+    mask = g.vocab - 1 if mask_token_id is None else mask_token_id
+    t = {"fc.weight": r.mat(h, len(layer_ids) * h), "hidden_norm.weight": r.norm(h), "norm.weight": r.norm(h)}
+    for i in range(num_layers):
+        t.update(_layer(r, g, f"layers.{i}.", h, input_norm="input_layernorm.weight", qkv_bias=False))
+        t[f"layers.{i}.self_attn.q_norm.weight"] = r.norm(g.head_dim)
+        t[f"layers.{i}.self_attn.k_norm.weight"] = r.norm(g.head_dim)
+    sub = {"mask_token_id": mask, "target_layer_ids": list(layer_ids), "block_size": block_size}
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
+           "intermediate_size": g.inter, "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
+           "head_dim": g.head_dim, "num_hidden_layers": num_layers, "vocab_size": g.vocab, "rms_norm_eps": g.eps,
+           "rope_theta": g.theta, "hidden_act": "silu", "max_position_embeddings": 512, "attention_bias": False,
+           "num_target_layers": g.layers, "block_size": block_size, "dflash_config": sub, "tie_word_embeddings": False}
+    if sliding_window:
+        cfg["layer_types"] = ["full_attention"] * (num_layers - 1) + ["sliding_attention"]
+        cfg["sliding_window"] = sliding_window
+    if kind == "dspark":
+        cfg["architectures"] = ["DSparkDraftModel"]
+        cfg["dspark_config"] = {**cfg.pop("dflash_config"), "markov_rank": markov_rank, "markov_type": "vanilla",
+                                "confidence": True}
+        t["markov_head.w1.weight"] = r.mat(g.vocab, markov_rank, np.sqrt(markov_rank))
+        t["markov_head.w2.weight"] = r.mat(g.vocab, markov_rank, 2.0)
+        t["confidence_head.weight"] = r.mat(1, h, 2.0)
+        t["confidence_head.bias"] = r.vec(1, 1.0)
+    if prefix:
+        t = {prefix + k: v for k, v in t.items()}
+    return _write(d, cfg, t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -177,14 +178,15 @@ def test_rows_schema_and_metrics(world):
 
 def test_invalid_points_are_reported_with_the_reason(world):
     invalid = {(r["method"]): r["reason"] for r in world["res"]["invalid"]}
-    assert "not implemented yet" in invalid["dflash, chain 4, 0.0"]
+    # No shipped DFLASH drafter fits the tiny target: the loader's message, not a crash.
+    assert re.search("does not fit this target|needs a draft model", invalid["dflash, chain 4, 0.0"])
     assert "nope" in invalid["medusa missing, chain 4, 0.0"]
     assert set(invalid) == {"dflash, chain 4, 0.0", "dflash, chain 4, 1.0", "medusa missing, chain 4, 0.0",
                             "medusa missing, chain 4, 1.0"}
     on_disk = [json.loads(x) for x in (world["out"] / "invalid.jsonl").read_text().splitlines()]
     assert len(on_disk) == 4 and all(r["config"]["spec"]["algorithm"] for r in on_disk)
     md = (world["out"] / "summary.md").read_text()
-    assert "## Invalid points" in md and "not implemented yet" in md and "| ngram, tree 6, 0.0 |" in md
+    assert "## Invalid points" in md and "nope" in md and "| ngram, tree 6, 0.0 |" in md
 
 
 def test_plots_written(world):

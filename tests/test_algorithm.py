@@ -72,8 +72,8 @@ EXPECTED = {
     "eagle3":         (True, True, True, True, True, True, True),
     "medusa":         (True, False, True, True, True, True, True),
     "mlp_speculator": (True, False, True, False, True, True, True),
-    "dflash":         (True, True, True, False, False, False, True),
-    "dspark":         (True, True, True, False, False, False, True),
+    "dflash":         (True, True, True, False, True, True, True),
+    "dspark":         (True, True, True, False, True, True, True),
 }
 
 
@@ -84,7 +84,8 @@ def test_capabilities_of_every_builtin():
         assert info is SpecAlgorithm(name).info
         assert tuple(getattr(info, c) for c in CAPS) == caps, name
     assert A.algorithm_info("nextn") == A.algorithm_info(SpecAlgorithm.EAGLE)
-    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "medusa", "mlp_speculator")
+    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "medusa", "mlp_speculator",
+                                     "dflash", "dspark")
 
 
 def test_auto_verify_is_lossless_rejection_for_every_drafter():
@@ -186,11 +187,9 @@ def test_valid_configs_pass_and_canonicalise():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(algorithm="eagle2"), r"spec.algorithm: unknown speculative algorithm 'eagle2'; valid: none, ngram"),
-    (dict(algorithm="dflash"), r"spec.algorithm='dflash' is not implemented yet; implemented: none, ngram, standalone, "
-                               r"eagle, eagle3, medusa, mlp_speculator"),
     (dict(algorithm="mlp_speculator"), "algorithm 'mlp_speculator' needs a draft model: set spec.draft_model"),
-    (dict(algorithm="dflash"), "'dflash' is not implemented yet"),
-    (dict(algorithm="dspark"), "'dspark' is not implemented yet"),
+    (dict(algorithm="dflash", topk=2), "spec.topk=2 needs a tree drafter, but algorithm 'dflash' drafts chains only"),
+    (dict(algorithm="dspark", num_draft_tokens=1), "spec.num_draft_tokens must be >= 2 for algorithm 'dspark'"),
     (dict(verify="typical"), r"spec.verify must be one of auto, greedy, target-only, rejection; got 'typical'"),
     (dict(verify="target_only"), "spec.verify must be one of"),
     (dict(threshold_single=0.0), r"spec.threshold_single must be in \(0, 1\]; got 0.0"),
@@ -222,6 +221,13 @@ def test_valid_configs_pass_and_canonicalise():
 def test_validate_errors(kw, message):
     with pytest.raises(SpecConfigError, match=message):
         A.validate_spec_config(spec(**kw))
+
+
+def test_unimplemented_algorithm_is_refused_by_name(plugin):
+    plugin("notyet", AlgorithmInfo(implemented=False))
+    with pytest.raises(SpecConfigError, match=r"spec.algorithm='notyet' is not implemented yet; implemented: none, "
+                                              r"ngram, standalone, eagle, eagle3, medusa, mlp_speculator, dflash, dspark"):
+        A.validate_spec_config(spec(algorithm="notyet"))
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -106,15 +106,18 @@ _BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
     SpecAlgorithm.MLP_SPECULATOR: AlgorithmInfo(
         needs_draft_model=True, needs_target_hidden_states=True, provides_draft_probs=True,
         description="IBM MLP speculator: n_predict MLP stages on the last hidden state"),
-    # Block-diffusion drafters emit a whole chain per forward (linear block
-    # verify upstream); the tokens come out of denoising steps, so there is no
-    # proposal distribution they were drawn from for rejection sampling.
+    # Block drafters emit a whole chain per forward; their depth is the block, not
+    # a number of steps. Sampled rows draw each position from the block's own
+    # distribution, which is their q. DSPARK's planner cuts rows short (-1
+    # padding), so its verify runs at the narrowest width holding the batch.
     SpecAlgorithm.DFLASH: AlgorithmInfo(
         needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        implemented=False, description="DFlash block-diffusion drafter (chain only)"),
+        provides_draft_probs=True, drafts_in_steps=False,
+        description="DFlash block drafter: the whole chain in one forward over [root, MASK...]"),
     SpecAlgorithm.DSPARK: AlgorithmInfo(
         needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        implemented=False, description="DSpark block drafter (chain only)"),
+        provides_draft_probs=True, drafts_in_steps=False, variable_draft_width=True,
+        description="DSpark: a DFlash block with a Markov head and a confidence planner (ragged verify)"),
 }
 
 ALIASES: dict[str, SpecAlgorithm] = {"nextn": SpecAlgorithm.EAGLE}

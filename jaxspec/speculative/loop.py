@@ -67,6 +67,7 @@ class SpecPlan:
     ngram_draft_tokens_by_match: tuple[int, ...]
     simulate_accept_length: int
     tree_choices: str = ""  # Medusa trees (spec.tree_choices)
+    sps_table: str = ""  # DSPARK's planner table (spec.sps_table)
     # Capabilities of the algorithm (AlgorithmInfo), so nothing here asks its name.
     drafts_in_steps: bool = True  # tree depth bounded by num_steps (else by num_draft_tokens)
     variable_draft_width: bool = False  # drafts often end in padding: verify at narrower widths
@@ -94,6 +95,7 @@ class SpecPlan:
             threshold_acc=spec.threshold_acc, ngram_min_match=spec.ngram_min_match,
             ngram_max_match=spec.ngram_max_match, ngram_draft_tokens_by_match=spec.ngram_draft_tokens_by_match,
             simulate_accept_length=spec.simulate_accept_length, tree_choices=spec.tree_choices,
+            sps_table=spec.sps_table,
             drafts_in_steps=info.drafts_in_steps,
             variable_draft_width=info.variable_draft_width,
         )

@@ -12,7 +12,8 @@ from typing import Any
 
 from jaxspec.models.config import ConfigError, ModelConfig
 
-KINDS = ("eagle", "eagle3", "mtp_deepseek", "mtp_mimo", "medusa", "mlp_speculator")
+KINDS = ("eagle", "eagle3", "mtp_deepseek", "mtp_mimo", "medusa", "mlp_speculator", "dflash", "dspark")
+BLOCK_KINDS = ("dflash", "dspark")
 CONVENTIONS = ("output", "input")
 
 
@@ -39,6 +40,15 @@ class HeadConfig:
     inner_dim: int = 0
     tie_weights: bool = False
     scale_input: bool = False
+    # Block drafters (dflash, dspark; jaxspec.models.heads.block). `layer.num_layers` is the
+    # drafter's depth; block_size is the checkpoint's (dflash: root + drafts; dspark: gamma).
+    block_size: int = 0
+    mask_token_id: int = -1
+    sliding_layers: tuple[bool, ...] = ()  # per draft layer: causal sliding-window attention
+    sliding_window: int = 0
+    input_embedding_scale: float = 1.0
+    markov_rank: int = 0  # dspark: rank of the Markov bias W2 . W1[t_prev]
+    confidence: bool = False  # dspark: a per-position confidence head
 
     @property
     def feature_width(self) -> int:
@@ -77,6 +87,10 @@ def detect_format(config_json: dict[str, Any]) -> str:
         return "mlp_speculator"
     if model_type == "medusa" or "medusa_num_heads" in config_json or "medusa" in joined:
         return "medusa"
+    if "dspark" in joined or "dspark_config" in config_json:
+        return "dspark"
+    if "dflash" in joined or "dflash_config" in config_json:
+        return "dflash"
     if "eagle3" in joined or "draft_vocab_size" in config_json or "eagle_config" in config_json:
         return "eagle3"
     if int(config_json.get("num_nextn_predict_layers") or 0) > 0:
@@ -165,6 +179,8 @@ def parse_head_config(
                           tie_weights=bool(config_json.get("tie_weights", False)),
                           scale_input=bool(config_json.get("scale_input", False)), own_head=True, own_embed=True)
 
+    if kind in BLOCK_KINDS:
+        return parse_block_config(kind, config_json, t, aux_layer_convention)
     layer = _layer_config(config_json, t)
     _check("vocab_size", layer.vocab_size, t.vocab_size)
     if kind == "eagle":
@@ -192,3 +208,51 @@ def parse_head_config(
         raise ConfigError(f"draft_vocab_size {dv} is not in [1, target vocab_size {t.vocab_size}]")
     return HeadConfig(kind=kind, layer=layer, target_hidden_size=th, draft_vocab_size=dv, feature_layers=feats,
                       own_head=True, norm_before_residual=bool(config_json.get("norm_before_residual", False)))
+
+
+def parse_block_config(kind: str, cfg: dict, t: ModelConfig, convention: str = "output") -> HeadConfig:
+    """DFlash (z-lab/dflash, SpecForge) and DSpark configs: a Qwen3 decoder stack over a block.
+
+    The checkpoint names target layers as `target_layer_ids`, the OUTPUT of layer i
+    (z-lab reads hidden_states[i + 1]); vLLM adds one on load, which is the "input"
+    convention here. Both become "entering layer k" ids.
+    """
+    sub = dict(cfg.get(f"{kind}_config") or {})
+    get = lambda name, default=None: sub.get(name, cfg.get(name, default))  # noqa: E731
+    fixed = {**cfg, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    fixed.setdefault("vocab_size", t.vocab_size)
+    layer = ModelConfig.from_hf_dict(fixed)
+    layer = dataclasses.replace(layer, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
+    # The drafter embeds with the target's embedding and decodes with its LM head.
+    _check("hidden_size", layer.hidden_size, t.hidden_size)
+    _check("vocab_size", layer.vocab_size, t.vocab_size)
+    ids = get("target_layer_ids")
+    if not ids:
+        raise ConfigError(f"{kind} config.json has no {kind}_config.target_layer_ids")
+    n_target = int(cfg.get("num_target_layers") or t.num_layers)
+    _check("num_target_layers", n_target, t.num_layers)
+    feats = feature_layers_from(ids, t.num_layers, convention)
+    mask = get("mask_token_id")
+    if mask is None or not 0 <= int(mask) < t.vocab_size:
+        raise ConfigError(f"{kind} config.json: mask_token_id {mask!r} is not a token id in [0, {t.vocab_size})")
+    block = int(get("block_size", 16 if kind == "dflash" else 7))
+    if block < 2 - (kind == "dspark"):
+        raise ConfigError(f"{kind} block_size {block} is too small")
+    types = cfg.get("layer_types") or ["full_attention"] * layer.num_layers
+    if len(types) != layer.num_layers:
+        raise ConfigError(f"{kind} config.json: {len(types)} layer_types for {layer.num_layers} layers")
+    sliding = tuple(ty == "sliding_attention" for ty in types)
+    window = int(cfg.get("sliding_window") or 0) if any(sliding) else 0
+    if any(sliding) and window <= 0:
+        raise ConfigError(f"{kind} config.json has sliding_attention layers but no sliding_window")
+    rank = int(get("markov_rank", 0)) if kind == "dspark" else 0
+    if kind == "dspark":
+        mtype = get("markov_type", "vanilla")
+        if mtype != "vanilla":
+            raise ConfigError(f"dspark markov_type {mtype!r} is not supported (only 'vanilla')")
+        if rank <= 0:
+            raise ConfigError("dspark config.json needs dspark_config.markov_rank > 0")
+    return HeadConfig(kind=kind, layer=layer, target_hidden_size=t.hidden_size, draft_vocab_size=t.vocab_size,
+                      feature_layers=feats, block_size=block, mask_token_id=int(mask), sliding_layers=sliding,
+                      sliding_window=window, input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                      markov_rank=rank, confidence=kind == "dspark" and bool(get("confidence", True)))

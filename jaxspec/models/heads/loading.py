@@ -170,6 +170,28 @@ def _load_eagle3(t: _Tensors, hcfg: HeadConfig, target: ModelConfig) -> tuple[He
     return _check_embed(t, "embed_tokens.weight", hcfg, target, params), params
 
 
+def _load_block(t: _Tensors, hcfg: HeadConfig) -> dict:
+    """DFlash tensors (z-lab/dflash `DFlashDraftModel`); DSpark adds its Markov and confidence heads."""
+    c, h = hcfg.layer, hcfg.layer.hidden_size
+    layers = []
+    for i in range(c.num_layers):
+        pre = f"layers.{i}."
+        layer = _read_layer(t, pre, c, h)
+        layer["attn_norm"] = t.get(pre + "input_layernorm.weight", (h,))
+        layers.append(layer)
+    extra = sorted(n for n in t.names if n.startswith("layers.") and int(n.split(".")[1]) >= c.num_layers)
+    if extra:
+        raise LoadError(f"{hcfg.kind} checkpoint {t.where} has {extra[0]!r} past num_hidden_layers={c.num_layers}")
+    params = {"layers": layers, "fc": t.get("fc.weight", (h, hcfg.feature_width)),
+              "hidden_norm": t.get("hidden_norm.weight", (h,)), "norm": t.get("norm.weight", (h,))}
+    if hcfg.kind == "dspark":
+        v, r = c.vocab_size, hcfg.markov_rank
+        params.update(markov_w1=t.get("markov_head.w1.weight", (v, r)), markov_w2=t.get("markov_head.w2.weight", (v, r)))
+        if hcfg.confidence:
+            params.update(conf_w=t.get("confidence_head.weight", (1, h)), conf_b=t.get("confidence_head.bias", (1,)))
+    return params
+
+
 def load_draft_head(path, target_cfg: ModelConfig, *, aux_layer_convention: str = "output",
                     dtype=jnp.float32) -> LoadedHead:
     path = Path(path)
@@ -182,6 +204,8 @@ def load_draft_head(path, target_cfg: ModelConfig, *, aux_layer_convention: str 
         hcfg, params = _load_eagle(t, cfg_json, hcfg, target_cfg)
     elif hcfg.kind == "eagle3":
         hcfg, params = _load_eagle3(t, hcfg, target_cfg)
+    elif hcfg.kind in ("dflash", "dspark"):
+        params = _load_block(t, hcfg)
     elif hcfg.kind == "medusa":
         from jaxspec.models.heads.medusa import read_medusa
 

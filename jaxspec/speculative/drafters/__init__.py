@@ -34,7 +34,7 @@ def build_drafter(plan: "SpecPlan", *, draft_cfg=None, catch_up_width: int = 0, 
             sample_drafts=plan.sampled_rule == "rejection",
             catch_up_width=catch_up_width,
         )
-    if plan.algorithm in ("eagle", "eagle3", "medusa", "mlp_speculator"):
+    if plan.algorithm in ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"):
         return _feature_drafter(plan, draft_cfg)
     factory = plugin_factory(plan.algorithm)
     if factory is None:
@@ -57,6 +57,11 @@ def _feature_drafter(plan: "SpecPlan", head) -> Drafter:
             return MedusaDrafter(head, plan.num_steps, plan.topk, plan.num_draft_tokens, sample, choices)
         if head.kind == "mlp_speculator":
             return MLPSpeculatorDrafter(head, plan.num_draft_tokens, sample)
+        if head.kind in ("dflash", "dspark"):
+            from jaxspec.speculative.drafters.block import BlockDrafter, resolve_sps_table
+
+            table = resolve_sps_table(plan.sps_table) if head.confidence else None
+            return BlockDrafter(head, plan.num_draft_tokens, sample, table)
     except ValueError as e:
         raise SpecConfigError(str(e)) from None
     return EagleDrafter(head, plan.num_steps, plan.topk, plan.num_draft_tokens, sample)

@@ -21,6 +21,8 @@ HEAD_KINDS = {
     "eagle3": ("eagle3",),
     "medusa": ("medusa",),
     "mlp_speculator": ("mlp_speculator",),
+    "dflash": ("dflash",),
+    "dspark": ("dspark",),
 }
 
 

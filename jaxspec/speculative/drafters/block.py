@@ -1,0 +1,221 @@
+"""Block drafters: DFLASH and DSPARK draft a whole chain in one forward.
+
+The model is `jaxspec.models.heads.block`. The drafter's paged cache (one
+layer per draft layer, sharing the target's page table) holds the CONTEXT K/V
+of every committed token: slot p holds the projection of the target's features
+at position p. At propose time the root (position r = hist_len - 1) is
+committed but not yet run through the target, so slots 0 .. r-1 are cached
+and the block [root, MASK, ...] sits at positions r .. r + W - 1. `prefill`
+and `observe` are one function: project a chunk's features into the cache, no
+forward, no attention (the DFlash property that keeps the drafter cheap).
+
+Drafts are a deterministic function of the context on greedy rows. Sampled
+rows (rejection verify) draw each position from its own distribution under
+the request's temperature / top-k / top-p and return it as q. The block's
+per-position q does not look at the earlier drafts, which is still a valid
+proposal for rejection sampling: the verifier's output distribution is the
+target's whatever q is, q only sets how much is accepted. (Upstream DFlash is
+greedy-only on the draft side.) DSPARK's Markov bias makes q_i depend on the
+drawn t_{i-1}, exactly as a chain proposal should.
+
+DSPARK also plans: confidences -> survival -> `planner.plan_budgets` over the
+whole batch against the SPS table, and drafts past a row's budget become -1
+padding. The loop then verifies at the narrowest width holding every live row
+(`variable_draft_width`), inside the same compiled program: ragged rows are
+masked, never recompiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache.attention import _MASK_VALUE, gather_pages
+from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
+from jaxspec.models.heads.block import (
+    block_hidden, block_logits, block_tokens, block_width, confidence_logit, context_kv, markov_bias,
+    output_offset, prepare_block_params, project_context, window_mask,
+)
+from jaxspec.models.heads.config import HeadConfig
+from jaxspec.speculative.drafters.features import chain_proposal, choose_draft
+from jaxspec.speculative.protocol import DrafterBase
+from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
+
+
+def block_attention(
+    q: jax.Array,  # [B, W, H, hd]
+    k_pages: jax.Array,  # [P, page_size, kvh, hd] one draft layer, read only
+    v_pages: jax.Array,  # [P, page_size, kvh, hd]
+    page_table: jax.Array,  # [B, max_pages] int32
+    ctx_len: jax.Array,  # [B] int32: context slots < ctx_len are visible
+    k_block: jax.Array,  # [B, W, kvh, hd]
+    v_block: jax.Array,  # [B, W, kvh, hd]
+    q_pos: jax.Array,  # [B, W] int32
+    ctx_mask: jax.Array | None,  # [B, W, S] extra context visibility (sliding window) or None
+    blk_mask: jax.Array | None,  # [B, W, W] block visibility, None = bidirectional
+    *,
+    scale: float,
+) -> jax.Array:  # [B, W, H, hd]
+    b, w, h, hd = q.shape
+    kvh = k_pages.shape[2]
+    qg = q.reshape(b, w, kvh, h // kvh, hd)
+    k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    s = k.shape[1]
+    vis = jnp.broadcast_to((jnp.arange(s, dtype=jnp.int32)[None, :] < ctx_len[:, None])[:, None], (b, w, s))
+    if ctx_mask is not None:
+        vis = vis & ctx_mask
+    pre = jnp.einsum("bwkgd,bskd->bkgws", qg, k, preferred_element_type=jnp.float32) * scale
+    pre = jnp.where(vis[:, None, None], pre, _MASK_VALUE)
+    blk = jnp.einsum("bwkgd,bukd->bkgwu", qg, k_block, preferred_element_type=jnp.float32) * scale
+    if blk_mask is not None:
+        blk = jnp.where(blk_mask[:, None, None], blk, _MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([pre, blk], axis=-1), axis=-1)
+    out = jnp.einsum("bkgws,bskd->bwkgd", probs[..., :s].astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgwu,bukd->bwkgd", probs[..., s:].astype(v_block.dtype), v_block,
+                           preferred_element_type=jnp.float32)
+    return out.reshape(b, w, h, hd).astype(q.dtype)
+
+
+def resolve_sps_table(name: str) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """spec.sps_table -> (tokens, steps/s) for the planner, or None (verify every draft).
+
+    "default": configs/sps/<platform>.json shipped for this platform if any; "flat" or
+    "": None; anything else is a file, and a missing or malformed one is an error.
+    """
+    from jaxspec.speculative.planner import SPSTable
+
+    if name in ("", "flat"):
+        return None
+    if name == "default":
+        from jaxspec.paths import default_sps_table
+
+        path = default_sps_table(jax.default_backend())
+        if path is None:
+            return None
+        name = str(path)
+    try:
+        table = SPSTable.load(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"spec.sps_table {name!r}: {e}") from None
+    return tuple(int(t) for t in table.tokens), tuple(float(x) for x in table.steps_per_s)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockState:
+    cache: KVCache  # [num_draft_layers, ...] context K/V
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDrafter(DrafterBase):
+    head: HeadConfig
+    num_draft_tokens: int  # N: the root plus N - 1 drafts
+    sample_drafts: bool  # rejection verify on sampled rows: sample and return q
+    # DSPARK's planner table (tokens, steps per second) as tuples, or None: verify every draft.
+    sps_table: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+
+    shares_target = ("embed", "head")
+
+    def __post_init__(self):
+        if self.num_draft_tokens < 2:
+            raise ValueError("a block drafter needs num_draft_tokens >= 2")
+        if self.head.kind == "dspark" and self.head.markov_rank <= 0:
+            raise ValueError("a dspark head needs a Markov head (markov_rank > 0)")
+        most = self.head.block_size + output_offset(self.head)  # dflash: block_size; dspark: gamma + 1
+        if self.num_draft_tokens > most:
+            raise ValueError(
+                f"spec.num_draft_tokens={self.num_draft_tokens} is past what this {self.head.kind} drafter was "
+                f"trained for: its block of {self.head.block_size} drafts at most {most - 1} tokens, so "
+                f"num_draft_tokens <= {most}")
+
+    @property
+    def draft_cache_cfg(self):
+        return self.head.layer
+
+    @property
+    def target_features(self) -> FeatureRequest:
+        return FeatureRequest(layers=self.head.feature_layers)
+
+    @property
+    def provides_draft_probs(self) -> bool:
+        return self.sample_drafts
+
+    @property
+    def width(self) -> int:
+        return block_width(self.head, self.num_draft_tokens - 1)
+
+    def prepare_params(self, loaded, *, native: bool, unstack) -> dict:
+        return prepare_block_params(loaded, self.head, native=native)
+
+    def init_state(self, draft_cache, batch: int) -> BlockState:
+        return BlockState(cache=draft_cache)
+
+    # ---- committed tokens: prefill chunks and the post-verify update ----------------------------
+
+    def _extend(self, params, state: BlockState, c: Committed, page_table) -> BlockState:
+        w = c.tokens.shape[1]
+        j = jnp.arange(w, dtype=jnp.int32)[None, :]
+        slots = c.start[:, None] + j
+        ctx = project_context(params["own"], self.head, c.features.astype(jnp.float32))
+        k, v = context_kv(params["own"], self.head, ctx, slots)
+        pages, offsets = slot_to_page(page_table, slots, state.cache.page_size)
+        pages = jnp.where(j < c.count[:, None], pages, NULL_PAGE)
+        ck, cv = write_layer_kv(state.cache.k, state.cache.v, slice(None), pages, offsets, k, v)
+        return BlockState(cache=KVCache(k=ck, v=cv))
+
+    def prefill(self, params, state, chunk: Committed, page_table):
+        return self._extend(params, state, chunk, page_table)
+
+    def observe(self, params, state, committed: Committed, page_table):
+        return self._extend(params, state, committed, page_table)
+
+    # ---- drafting ----------------------------------------------------------------------------
+
+    def hidden(self, params, state: BlockState, root, r, page_table):
+        """[B, W, H] block states for roots [B] at positions r [B] (context: slots < r)."""
+        hc, w = self.head, self.width
+        tokens = block_tokens(root, hc, w)
+        pos = r[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+        s = page_table.shape[1] * state.cache.page_size
+        k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (root.shape[0], s))
+
+        def attend(layer, q, k, v):
+            return block_attention(q, state.cache.k[layer], state.cache.v[layer], page_table, r, k, v, pos,
+                                   window_mask(hc, layer, pos, k_pos), window_mask(hc, layer, pos, pos),
+                                   scale=hc.layer.head_dim ** -0.5)
+
+        return block_hidden(params["own"], hc, params["target"], tokens, pos, attend)
+
+    def propose(self, params, state: BlockState, s) -> Proposal:
+        hc = self.head
+        root = jnp.take_along_axis(s.history, jnp.maximum(s.hist_len - 1, 0)[:, None], axis=1)[:, 0]
+        r = jnp.maximum(s.hist_len - 1, 1)
+        off = output_offset(hc)
+        h = self.hidden(params, state, root, r, s.page_table)
+        h = h[:, 1 - off:1 - off + self.num_draft_tokens - 1]  # [B, N-1, H]: the outputs that draft
+        logits = block_logits(params["target"], h)
+        drafts, qs, prev = [], [], root
+        for d in range(1, self.num_draft_tokens):
+            base = logits[:, d - 1]
+            if hc.markov_rank:
+                base = base + markov_bias(params["own"], prev)
+            tok, q = choose_draft(base, s.sampling, s.hist_len, d, None, hc.layer.vocab_size, self.sample_drafts)
+            drafts.append(tok)
+            qs.append(q)
+            prev = tok
+        prop = chain_proposal(root, drafts, qs, self.sample_drafts, state)
+        if hc.confidence and self.sps_table is not None:
+            prop = prop._replace(tokens=self._plan(params, h, prop.tokens, s.done))
+        return prop
+
+    def _plan(self, params, h, tokens, done):
+        from jaxspec.speculative.planner import plan_budgets, survival
+
+        conf = jax.nn.sigmoid(confidence_logit(params["own"], h))  # [B, N-1]
+        t_tok = jnp.asarray(self.sps_table[0], jnp.int32)
+        t_sps = jnp.asarray(self.sps_table[1], jnp.float32)
+        budget = plan_budgets(survival(conf), ~done, t_tok, t_sps)  # [B] drafts kept
+        d = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        return jnp.where((d == 0) | (d <= budget[:, None]), tokens, -1)
