@@ -214,11 +214,13 @@ class _KernelCalled(Exception):
     pass
 
 
-def test_dispatcher_runs_reference_on_tpu(monkeypatch):
-    """The Triton-only kernel's TPU fallback lives in the dispatcher: on TPU the
-    reference runs and the kernel is never called; on GPU the kernel is."""
+def test_dispatcher_runs_mosaic_kernel_on_tpu(monkeypatch):
+    """The Triton kernel's TPU fallback lives in the dispatcher: on TPU the Mosaic
+    kernel (jaxspec.pallas.paged_attention_tpu) runs and the Triton one is never
+    called; on GPU the Triton one is."""
     import jaxspec.pallas as kernels
     import jaxspec.pallas.paged_attention as pa
+    import jaxspec.pallas.paged_attention_tpu as pat
 
     def boom(*_, **__):
         raise _KernelCalled
@@ -228,11 +230,13 @@ def test_dispatcher_runs_reference_on_tpu(monkeypatch):
         rng, q_start=[1], n_new=[2], t=2, kvh=1, group=2, hd=16, page_size=4, max_pages=2,
     )
     monkeypatch.setattr(pa, "paged_attention_pallas", boom)
+    # The Mosaic kernel cannot run here: stand in the reference, checking it is reached.
+    monkeypatch.setattr(pat, "paged_attention_mosaic", lambda *a, **k: paged_attention_ref(*a, **k))
     monkeypatch.setattr(kernels, "kernel_backend", lambda: "tpu")
     got = paged_attention(**case, scale=0.5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(paged_attention_ref(**case, scale=0.5)),
                                **F32_TOL)
-    # Positive control: the same call on GPU does reach the (stubbed) kernel.
+    # Positive control: the same call on GPU does reach the (stubbed) Triton kernel.
     monkeypatch.setattr(kernels, "kernel_backend", lambda: "gpu")
     with pytest.raises(_KernelCalled):
         paged_attention(**case, scale=0.5)

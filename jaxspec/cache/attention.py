@@ -137,16 +137,23 @@ def paged_attention(
     *,
     scale: float,
 ) -> jax.Array:  # [B, T, H, hd]
-    """Dispatch: compiled Pallas kernel on GPU, jnp reference on CPU and TPU.
+    """Dispatch: the Mosaic kernel on TPU, the Triton kernel on GPU, the jnp reference on CPU.
 
-    The kernel is Triton-only (its ref gathers do not lower on Mosaic TPU), so the
-    TPU fallback is decided here rather than inside the kernel wrapper. Under a
-    ("data", "model") mesh in context (`sharding.mesh_context`) the kernel runs
-    per shard through shard_map; GSPMD partitions the reference by itself."""
-    if kernels.use_kernel(platforms=("gpu",)):
-        from jaxspec.models.sharding import shard_kernel_attention
+    Interpret mode (`JAXSPEC_KERNELS=interpret`) runs the Triton kernel, as before;
+    the Mosaic kernel's interpret-mode tests call it directly. Under a ("data",
+    "model") mesh in context (`sharding.mesh_context`) either kernel runs per shard
+    through shard_map (Mosaic calls must); GSPMD partitions the reference by itself."""
+    backend = kernels.kernel_backend()
+    if backend == "tpu":
+        from jaxspec.pallas.paged_attention_tpu import paged_attention_mosaic
+
+        kernel = functools.partial(paged_attention_mosaic, scale=scale)
+    elif kernels.use_kernel(platforms=("gpu",)):
         from jaxspec.pallas.paged_attention import paged_attention_pallas
 
         kernel = functools.partial(paged_attention_pallas, scale=scale, interpret=kernels.interpret_mode())
-        return shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
-    return paged_attention_ref(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale)
+    else:
+        return paged_attention_ref(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale)
+    from jaxspec.models.sharding import shard_kernel_attention
+
+    return shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)

@@ -42,8 +42,8 @@ Padding rules (Triton needs power-of-two tensor dims, and tl.dot needs >= 16):
 
 On CPU the kernel runs only with `interpret=True` (tests). On TPU the Triton path
 cannot lower (vector gathers from refs), so `interpret=False` there raises and the
-dispatcher (`jaxspec.cache.attention.paged_attention`) runs the jnp reference
-instead; a Mosaic-TPU variant with DMA'd pages is future work.
+dispatcher (`jaxspec.cache.attention.paged_attention`) runs the Mosaic kernel with
+DMA'd pages instead (`jaxspec.pallas.paged_attention_tpu`).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def paged_attention_pallas(
         # this kernel never imports its reference.
         raise NotImplementedError(
             "paged_attention_pallas does not run on TPU; call "
-            "jaxspec.cache.attention.paged_attention, which runs the reference there"
+            "jaxspec.cache.attention.paged_attention, which runs the Mosaic kernel there"
         )
     group = h // kvh
 
