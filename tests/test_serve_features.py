@@ -27,7 +27,7 @@ from jaxspec.engine import Engine, Request
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
 from jaxspec.serve.server import build_server
-from tests.heads_fixtures import write_eagle3_head, write_medusa_head
+from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head
 from tests.test_serve_scheduler import NEW, PROMPTS, config, run_all
 
 
@@ -41,7 +41,9 @@ def world(tiny_dirs, tmp_path_factory):
     reference = [r.output_ids for r in engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])]
     return dict(path=path, model=model, reference=reference,
                 eagle3=write_eagle3_head(tmp / "eagle3", hf, layer_ids=[0, 1, 2], convention="input"),
-                medusa=write_medusa_head(tmp / "medusa", hf, num_heads=3))
+                medusa=write_medusa_head(tmp / "medusa", hf, num_heads=3),
+                dflash=write_block_head(tmp / "dflash", hf, kind="dflash", layer_ids=(0,)),
+                dspark=write_block_head(tmp / "dspark", hf, kind="dspark", block_size=5, layer_ids=(0,)))
 
 
 EAGLE3 = lambda w: {"spec.algorithm": "eagle3", "spec.draft_model": str(w["eagle3"]),  # noqa: E731
@@ -105,6 +107,22 @@ def test_feature_drafter_through_preemption_is_exact(world, head, spec):
     assert len(owners) >= 3 and max(len(o) for o in owners.values()) >= 2  # slots get reused
     bad, n = probe.mismatches()
     assert n > 50 and not bad, bad
+
+
+@pytest.mark.parametrize("alg", ["dflash", "dspark"])
+def test_block_drafter_through_preemption_is_exact(world, tmp_path, alg):
+    """A block drafter's only state is its context cache, which follows each sequence's pages (no
+    per-slot row): served through preemption and recompute, answers equal plain greedy. DSPARK runs
+    with a falling SPS table, so its rows are ragged."""
+    from tests.test_block_drafters import falling_table
+
+    extra = {"spec.algorithm": alg, "spec.draft_model": str(world[alg]), "spec.num_draft_tokens": 6,
+             "spec.sps_table": str(falling_table(tmp_path / "sps.json")) if alg == "dspark" else "flat",
+             "serve.adaptive": False, "engine.num_pages": 25}
+    server = build_server(config(world["path"], **extra), model=world["model"], progress=False)
+    got, seqs = run_all(server, PROMPTS, NEW)
+    assert got == world["reference"]
+    assert sum(s.num_preemptions for s in seqs) > 0
 
 
 def test_adaptive_k0_calls_keep_the_drafter_state(world):

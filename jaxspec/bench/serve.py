@@ -28,6 +28,13 @@ MODES = {
     "off": {"spec.algorithm": "none"},
     "on": {"spec.algorithm": "ngram", "serve.adaptive": False},
     "adaptive": {"spec.algorithm": "ngram", "serve.adaptive": True},
+    # The shipped drafters (`--modes off,eagle3,dflash,dspark`); block drafters verify their block.
+    "eagle3": {"spec.algorithm": "eagle3", "spec.draft_model": "default", "spec.num_draft_tokens": 4,
+               "serve.adaptive": False},
+    "dflash": {"spec.algorithm": "dflash", "spec.draft_model": "default", "spec.num_draft_tokens": 8,
+               "serve.adaptive": False},
+    "dspark": {"spec.algorithm": "dspark", "spec.draft_model": "default", "spec.num_draft_tokens": 8,
+               "serve.adaptive": False},
 }
 
 

@@ -9,7 +9,9 @@ One run, embedded model, float32, batch 1, EOS ignored. Prints Markdown tables:
    decoding runs on the same prompts;
 2. the cost of one verify forward over T tokens relative to a decode step;
 3. a synthetic-acceptance sweep (L = 1..8, output NOT exact) showing the
-   system's ceiling.
+   system's ceiling, and the same for a DFLASH block of 16 (one forward drafts 15);
+4. the draft / verify split of the feature and block drafters (one MT-Bench prompt, phases
+   jitted apart) and, at `--batch`, plain against the shipped drafters.
 """
 
 from __future__ import annotations
@@ -148,7 +150,10 @@ def shipped_head_methods(model) -> dict:
                          ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8)),
                          ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
               "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5)),
-                         ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))]}
+                         ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
+              # Block drafters: the chain is the block; DSPARK's planner cuts it by the SPS table.
+              "dflash": [("block 8", dict(num_draft_tokens=8)), ("block 4", dict(num_draft_tokens=4))],
+              "dspark": [("gamma 7", dict(num_draft_tokens=8)), ("gamma 3", dict(num_draft_tokens=4))]}
     out = {}
     for alg in SHIPPED_HEADS:
         try:
@@ -162,6 +167,42 @@ def shipped_head_methods(model) -> dict:
     return out
 
 
+def block_ceiling(model, prompts, new: int, base: float, roofline: float) -> list[list]:
+    """A DFLASH block of 16 with acceptance forced (tau 2..8; output NOT exact): what one draft
+    forward per block buys when the drafter is right. The head is fresh (its cost does not depend on
+    its weights), one layer, the target's geometry."""
+    import tempfile
+
+    from jaxspec.config import SpecSection
+    from jaxspec.speculative.drafters.load import load_draft
+    from jaxspec.train.block import block_head_config, init_block_params
+    from jaxspec.train.export import export_head
+
+    L = model.config.num_layers
+    hcfg = block_head_config("dflash", model.config, num_layers=1, block_size=16, mask_token_id=3,
+                             feature_layers=(2, L // 2, L - 3))
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        export_head(init_block_params(hcfg, 0), hcfg, d, num_target_layers=L)
+        for forced in (2, 4, 8):
+            kw = dict(algorithm="dflash", draft_model=d, num_draft_tokens=16, simulate_accept_length=forced)
+            draft = load_draft(SpecSection(**kw), model, jnp.float32, progress=False)
+            rates, lens = run_engine(engine_for(model, kw, draft), prompts, new)
+            tps = median(rates)
+            rows.append([forced, float(np.mean(lens)), tps, tps / base, tps / roofline])
+    return rows
+
+
+def phase_split(engine, prompt, new: int) -> list[float]:
+    """[draft, verify, other] fractions of one request, the phases jitted apart."""
+    from jaxspec.bench.ablate import time_split
+    from jaxspec.engine import Request
+
+    s = time_split(engine, [Request(prompt, max_new_tokens=new)]) or {}
+    return [s.get("draft", float("nan")), s.get("verify", float("nan")), s.get("other", float("nan"))]
+
+
+EAGLE3_REF = "jaxspec eagle3 chain k=3 (shipped head)"
 SETS = ("copy-humaneval", "copy-repeat", "mtbench", "humaneval", "sharegpt-heldout")
 
 
@@ -247,10 +288,13 @@ def main(argv=None) -> int:
             measured["HF prompt lookup (10)"] = Measured(run_hf(hf, prompts, new, lookup=10), float("nan"))
         base = measured["jaxspec plain"].rates
         hf_rates = measured["HF generate"].rates if hf else [float("nan")] * len(prompts)
+        nan = [float("nan")] * len(prompts)
+        ng = measured[chain_name].rates if chain_name in measured else nan
+        e3 = measured[EAGLE3_REF].rates if EAGLE3_REF in measured else nan
         for name, m in measured.items():
             paired, aggregate = speedups(m.rates, base)
-            rows.append([set_name, name, m.tau, median(m.rates), paired, aggregate,
-                         speedups(m.rates, hf_rates)[0], median(m.rates) / roofline])
+            rows.append([set_name, name, m.tau, median(m.rates), paired, aggregate, speedups(m.rates, ng)[0],
+                         speedups(m.rates, e3)[0], speedups(m.rates, hf_rates)[0], median(m.rates) / roofline])
         if set_name.startswith("copy") and chain_name in measured:
             copy_rates["plain"] += base
             copy_rates["ngram"] += measured[chain_name].rates
@@ -261,7 +305,7 @@ def main(argv=None) -> int:
           "aggregate (total time of plain / total time of the method). of roofline: tok/s over the "
           "bandwidth roofline of plain decoding (> 1 = past what plain decoding can ever reach).")
     print_table(["prompts", "method", "tau", "tok/s", "vs jaxspec plain (median)", "vs jaxspec plain (aggregate)",
-                 "vs HF generate", "of roofline"], rows)
+                 "vs n-gram k=7", "vs EAGLE-3 k=3", "vs HF generate", "of roofline"], rows)
     if copy_rates["plain"]:
         paired, aggregate = speedups(copy_rates["ngram"], copy_rates["plain"])
         print(f"\n{chain_name} over both copy-heavy sets ({len(copy_rates['plain'])} prompts): "
@@ -283,6 +327,11 @@ def main(argv=None) -> int:
         print_table(["method", "tok/s", "vs jaxspec plain"], [[k, median(v), median(v) / base]
                                                               for k, v in batched.items()])
 
+    if heads and "MT-Bench" in sets:
+        prompt = sets["MT-Bench"][0]
+        print("\ndraft / verify split (one MT-Bench prompt, the phases jitted apart; fractions of the step):")
+        print_table(["method", "draft", "verify", "other"], [[k, *phase_split(engines[k], prompt, new)] for k in heads])
+
     if not args.no_verify_cost:
         # The engine's native CPU kernels beside XLA's own ops, to show what the kernels buy.
         cost = verify_cost(model)
@@ -302,4 +351,7 @@ def main(argv=None) -> int:
             sweep.append([L, tau, tps, tps / base, tps / roofline])
         print("\nsynthetic acceptance sweep (n-gram chain of 8, acceptance forced to L; output NOT exact):")
         print_table(["L", "tau", "tok/s", "vs jaxspec plain", "of roofline"], sweep)
+        print("\nDFLASH block of 16, acceptance forced (one draft forward per block; output NOT exact):")
+        print_table(["forced", "tau", "tok/s", "vs jaxspec plain", "of roofline"],
+                    block_ceiling(model, prompts, new, base, roofline))
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxspec.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", choices=("eagle3", "eagle", "medusa"), default=None)
+    p.add_argument("--drafter", choices=("eagle3", "eagle", "medusa", "dflash", "dspark"), default=None)
     p.add_argument("--target", default="default", help="target model: 'default', a HF dir or a .gguf")
     p.add_argument("--data", required=True, help="feature cache dir, .npz batches dir, or 'sharegpt'")
     p.add_argument("--out", required=True, help="run directory (checkpoints, log.jsonl, head/)")
@@ -161,7 +161,7 @@ def export_run(run_dir, out, *, target: str = "default", dtype: str = "float32")
     mngr.close()
     if state is None:
         raise FileNotFoundError(f"{run}: no checkpoint to export")
-    out = export_head(jax.device_get(state["params"]), hcfg, out, draft_ids=ids,
+    out = export_head(jax.device_get(state["params"]), hcfg, out, draft_ids=ids, num_target_layers=model.config.num_layers,
                       extra={"jaxspec_train": {"step": meta["step"], "tokens": meta["tokens"]}})
     return cast_head(out, dtype)
 

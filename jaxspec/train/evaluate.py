@@ -11,7 +11,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-ALGORITHM = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}
+ALGORITHM = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "dflash": "dflash", "dspark": "dspark"}
 
 
 class HeadEngine:

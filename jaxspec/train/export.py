@@ -159,8 +159,13 @@ def cast_head(out_dir, dtype: str = "bfloat16") -> Path:
     return out
 
 
-def export_head(params: dict, hcfg: HeadConfig, out_dir, *, draft_ids=None, extra: dict | None = None) -> Path:
+def export_head(params: dict, hcfg: HeadConfig, out_dir, *, draft_ids=None, extra: dict | None = None,
+                num_target_layers: int | None = None) -> Path:
     """Write `params` (HF layout, as trained) of a `hcfg.kind` head to `out_dir`."""
+    if hcfg.kind in ("dflash", "dspark"):
+        from jaxspec.train.block import export_block
+
+        return export_block(params, hcfg, out_dir, num_target_layers=num_target_layers, extra=extra)
     if hcfg.kind == "eagle3":
         if draft_ids is None:
             d2t = params.get("d2t")
@@ -172,4 +177,4 @@ def export_head(params: dict, hcfg: HeadConfig, out_dir, *, draft_ids=None, extr
         return export_eagle(params, hcfg, out_dir, extra=extra)
     if hcfg.kind == "medusa":
         return export_medusa(params, hcfg, out_dir, extra=extra)
-    raise ValueError(f"no exporter for head kind {hcfg.kind!r}; kinds: eagle3, eagle, medusa")
+    raise ValueError(f"no exporter for head kind {hcfg.kind!r}; kinds: eagle3, eagle, medusa, dflash, dspark")

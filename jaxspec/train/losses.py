@@ -52,6 +52,8 @@ class LossConfig:
     eagle_ploss_weight: float = 0.1  # EAGLE-1: SmoothL1 + w * cross-entropy
     medusa_labels: str = "argmax"  # "argmax": the target's greedy token; "tokens": the sequence's
     remat: bool = False  # recompute each step's activations in backward (logits over Vd x T x 7)
+    block_anchors: int = 16  # DFLASH / DSPARK: blocks per sequence
+    block_decay: float = 7.0  # DFLASH / DSPARK: draft d weighs exp(-(d - 1) / block_decay)
 
 
 def shift(x: jax.Array, n: int) -> jax.Array:
@@ -272,6 +274,10 @@ LOSSES = {"eagle3": eagle3_loss, "eagle": eagle_loss, "medusa": medusa_loss}
 
 
 def loss_for(kind: str):
+    if kind in ("dflash", "dspark"):
+        from jaxspec.train.block import block_loss
+
+        return block_loss
     if kind not in LOSSES:
         raise ValueError(f"no training loss for drafter {kind!r}; drafters: {', '.join(LOSSES)}")
     return LOSSES[kind]

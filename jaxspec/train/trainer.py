@@ -31,7 +31,8 @@ from jaxspec.config import ConfigValueError, _coerce
 from jaxspec.models.heads.init import head_config, init_head_params
 from jaxspec.train.losses import LossConfig, loss_for, trainable
 
-KINDS = ("eagle3", "eagle", "medusa")
+KINDS = ("eagle3", "eagle", "medusa", "dflash", "dspark")
+BLOCK = ("dflash", "dspark")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,15 @@ class TrainConfig:
     # space, not a V_d x H classifier from scratch (what a small data budget cannot afford)
     eagle3_head_init: str = "random"
     data_parallel: int = 1  # devices on a "data" mesh axis: batch rows split, params replicated
+    # DFLASH / DSPARK (jaxspec/train/block.py): draft layers, block (0 = 16 for dflash, gamma 7 for
+    # dspark), the MASK token (-1 = the target's last special token, see block_mask_token), anchors
+    # per sequence, the depth decay, DSPARK's Markov rank.
+    block_layers: int = 1
+    block_size: int = 0
+    mask_token_id: int = -1
+    block_anchors: int = 16
+    block_decay: float = 7.0
+    markov_rank: int = 64
     eagle_noise: float = 0.2
     eagle_ploss_weight: float = 0.1
     b1: float = 0.9
@@ -91,6 +101,9 @@ class TrainConfig:
             (len(self.feature_layers) in (0, 3), "feature_layers: three layer ids or none"),
             (all(4 <= b <= self.max_len for b in self.length_buckets), "length_buckets must lie in [4, max_len]"),
             (self.length_group >= 0, "length_group >= 0"),
+            (self.block_layers >= 1 and self.block_size >= 0 and self.block_anchors >= 1 and self.block_decay > 0
+             and self.markov_rank >= 1, "block_layers, block_anchors, markov_rank >= 1; block_size >= 0; "
+             "block_decay > 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -100,12 +113,14 @@ class TrainConfig:
     def loss_config(self) -> LossConfig:
         return LossConfig(ttt_length=self.ttt_length, step_weight_decay=self.step_weight_decay,
                           eagle_noise=self.eagle_noise, eagle_ploss_weight=self.eagle_ploss_weight,
-                          medusa_labels=self.medusa_labels, remat=self.remat)
+                          medusa_labels=self.medusa_labels, remat=self.remat, block_anchors=self.block_anchors,
+                          block_decay=self.block_decay)
 
 
 # What must not change between a run and its resume (the rest, e.g. intervals or total_steps, may).
 _FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "medusa_head", "batch_size",
-          "max_len", "seed", "length_group", "eagle3_head_init")
+          "max_len", "seed", "length_group", "eagle3_head_init", "block_layers", "block_size", "mask_token_id",
+          "markov_rank")
 
 
 def train_config(path=None, overrides: dict[str, Any] | None = None, *, base: TrainConfig | None = None) -> TrainConfig:
@@ -258,6 +273,15 @@ def shared_target(target, draft_ids=None) -> dict:
 
 
 def make_head_config(cfg: TrainConfig, target_cfg):
+    if cfg.drafter in BLOCK:
+        from jaxspec.train.block import block_head_config, block_mask_token
+
+        L = target_cfg.num_layers
+        mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else block_mask_token(target_cfg)
+        return block_head_config(cfg.drafter, target_cfg, num_layers=cfg.block_layers,
+                                 block_size=cfg.block_size or (16 if cfg.drafter == "dflash" else 7),
+                                 mask_token_id=mask, markov_rank=cfg.markov_rank,
+                                 feature_layers=tuple(cfg.feature_layers) or (2, L // 2, L - 3))
     dv = min(cfg.draft_vocab_size, target_cfg.vocab_size)
     hcfg = head_config(cfg.drafter, target_cfg, draft_vocab_size=dv, num_heads=cfg.num_medusa_heads,
                        feature_layers=tuple(cfg.feature_layers) or None)
@@ -271,6 +295,10 @@ def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None, head_init: 
     nn.Linear (std 1/sqrt(H): near-uniform first predictions, as SpecForge starts; a copy of the
     target's LM head rows trained worse on the tests' corpus) and Medusa's heads copied from the
     target's LM head with zero ResBlocks (Medusa's own init)."""
+    if hcfg.kind in BLOCK:
+        from jaxspec.train.block import init_block_params
+
+        return init_block_params(hcfg, seed)
     p = trainable(init_head_params(hcfg, seed, token_ids=draft_ids))
     if hcfg.kind == "eagle3":
         rng = np.random.default_rng([seed, 1])
@@ -444,8 +472,9 @@ def check_source(source, target, hcfg) -> None:
         if fp != target_fingerprint(target.params, target.config):
             raise ValueError(f"{where} was built from other target weights (fingerprint {fp}) than --target")
     layers = manifest.get("feature_layers")
-    if hcfg.kind == "eagle3" and layers is not None and tuple(layers) != tuple(hcfg.feature_layers):
-        raise ValueError(f"{where} captured layers {tuple(layers)}, the EAGLE-3 head reads {hcfg.feature_layers}: "
+    if (hcfg.kind in ("eagle3",) + BLOCK and layers is not None
+            and tuple(layers) != tuple(hcfg.feature_layers)):
+        raise ValueError(f"{where} captured layers {tuple(layers)}, the {hcfg.kind} head reads {hcfg.feature_layers}: "
                          "set feature_layers or rebuild the cache")
 
 
@@ -512,7 +541,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     if eval_fn is None and heldout:
         eval_fn = heldout_eval(heldout, hcfg, shared, cfg)
 
-    keys = ("aux", "final") if cfg.drafter == "eagle3" else ("final",)
+    keys = ("aux", "final") if cfg.drafter == "eagle3" else ("aux",) if cfg.drafter in BLOCK else ("final",)
     mesh = data_mesh(cfg.data_parallel)
     state, shared = _place(state, mesh, False), _place(shared, mesh, False)
     step_fn = train_step_for(cfg, hcfg)
@@ -561,7 +590,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     if export and step == cfg.total_steps:
         from jaxspec.train.export import export_head
 
-        export_head(params, hcfg, run_dir / "head", draft_ids=draft_ids)
+        export_head(params, hcfg, run_dir / "head", draft_ids=draft_ids, num_target_layers=tcfg.num_layers)
     mngr.close()
     return TrainResult(params=params, hcfg=hcfg, draft_ids=draft_ids, step=step, run_dir=run_dir, last=last)
 
