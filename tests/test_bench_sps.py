@@ -1,0 +1,48 @@
+"""`python -m jaxspec.bench sps` on a tiny random model: the table it writes loads as an SPSTable
+with one entry per token count B*w (no timing is asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxspec.bench import sps
+from jaxspec.speculative.planner import SPSTable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sps_bench_writes_a_loadable_table(tmp_path, capsys):
+    out = tmp_path / "sps" / "tiny.json"
+    rc = sps.main(["--model", "tiny", "--batches", "2,1", "--widths", "1,2", "--context", "32", "--repeats", "1",
+                   "--steps", "1", "--out", str(out)])
+    assert rc == 0
+    table = SPSTable.load(out)
+    # Token counts B*w: 1, 2 (B=1 w=2 and B=2 w=1: the B=2 one is kept) and 4.
+    assert table.tokens == (1, 2, 4)
+    assert [(b, w) for b, w, _ in table.measurements] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    rate = {(b, w): r for b, w, r in table.measurements}
+    assert table.steps_per_s[1] == rate[(2, 1)]
+    assert all(r > 0 for r in table.steps_per_s)
+    assert table.context == 32 and table.model == "tiny (random)" and "--repeats 1" in table.source
+    printed = capsys.readouterr().out
+    assert "| tokens | steps/s |" in printed and str(out) in printed
+
+
+def test_to_table_keeps_the_largest_batch():
+    t = sps.to_table({(1, 4): 10.0, (4, 1): 7.0, (2, 2): 8.0, (1, 1): 12.0})
+    assert t.tokens == (1, 4) and t.steps_per_s == (12.0, 7.0)
+
+
+def test_bad_flags_are_errors(capsys):
+    with pytest.raises(SystemExit):
+        sps.main(["--batches", "0,1"])
+    assert sps.main(["--model", "tiny", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_shipped_cpu_table_loads():
+    table = SPSTable.load(REPO / "configs" / "sps" / "cpu-2core.json")
+    assert table.tokens == (1, 2, 4, 8, 16, 32, 64)
+    assert table.context == 256 and "SmolLM2" in table.model
