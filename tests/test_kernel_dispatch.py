@@ -1,6 +1,7 @@
-"""Where the Triton-only verify kernels cannot run (TPU), the dispatchers in
-jaxspec.speculative.verify run the references; the kernel wrappers refuse
-rather than import their references (a kernel never imports its callers)."""
+"""The dispatchers in jaxspec.speculative.verify pick the Mosaic kernels on TPU
+(jaxspec.pallas.verify_tpu), the Triton ones on GPU and the references on CPU;
+the Triton wrappers refuse on TPU rather than import their references (a kernel
+never imports its callers)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 import jaxspec.pallas as kernels
 import jaxspec.pallas.verify as pv
+import jaxspec.pallas.verify_tpu as pvt
 from jaxspec.speculative import verify as V
 from jaxspec.speculative.tree import build_chain_tree
 
@@ -46,15 +48,33 @@ def _calls(case):
     }
 
 
+class _TpuKernelCalled(Exception):
+    pass
+
+
+def _boom_tpu(*_, **__):
+    raise _TpuKernelCalled
+
+
 @pytest.mark.parametrize("rule", ["greedy", "target_only", "rejection"])
-def test_verify_dispatch_runs_reference_on_tpu(monkeypatch, rule):
+def test_verify_dispatch_picks_kernel_set_per_platform(monkeypatch, rule):
     for name in ("verify_greedy_pallas", "verify_target_only_pallas", "verify_rejection_pallas"):
         monkeypatch.setattr(pv, name, _boom)
+    for name in ("verify_greedy_tpu", "verify_target_only_tpu", "verify_rejection_tpu"):
+        monkeypatch.setattr(pvt, name, _boom_tpu)
     public, ref = _calls(_chain_case())[rule]
-    monkeypatch.setattr(kernels, "kernel_backend", lambda: "tpu")
+    # CPU: the reference, no kernel.
+    monkeypatch.setattr(V, "kernel_backend", lambda: None)
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: None)
     for g, w in zip(public(), ref()):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    # Positive control: on GPU the dispatcher reaches the (stubbed) kernel.
+    # TPU: the Mosaic kernel (stubbed), never the Triton one.
+    monkeypatch.setattr(V, "kernel_backend", lambda: "tpu")
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: "tpu")
+    with pytest.raises(_TpuKernelCalled):
+        public()
+    # GPU: the Triton kernel (stubbed).
+    monkeypatch.setattr(V, "kernel_backend", lambda: "gpu")
     monkeypatch.setattr(kernels, "kernel_backend", lambda: "gpu")
     with pytest.raises(_KernelCalled):
         public()

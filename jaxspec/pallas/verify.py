@@ -28,15 +28,14 @@ JAX 0.10 otherwise lowers pallas_call on GPU through Mosaic GPU). Triton
 constraints honoured: every loaded/stored tensor has a power-of-two size, no
 scratch, no multi-indexer refs, no closed-over array constants. On CPU the
 kernels run with interpret=True (tests). On TPU (and CPU without interpret)
-the wrappers refuse to run, and the dispatchers in `jaxspec.speculative.verify`
-run the jnp references instead (a kernel never imports its callers, so the
-fallback lives there): Mosaic TPU rejects the
-per-sequence (None, N) blocks (last two block dims must be (8k, 128k) or the
-full array), has no masked loads and no dynamic lane indexing into vector
-memory. A Mosaic variant is future work: the greedy walk lowers there with
-whole-array SMEM refs indexed by program_id (checked by cross-platform
-lowering only); the sampling walks need probability rows DMA'd into VMEM
-and element reads done as masked row reductions.
+the wrappers refuse to run: Mosaic TPU rejects the per-sequence (None, N)
+blocks (last two block dims must be (8k, 128k) or the full array), has no
+masked loads and no dynamic lane indexing into vector memory. The TPU twins of
+these kernels are in `jaxspec.pallas.verify_tpu` (whole-array SMEM tables,
+probability tiles DMA'd from HBM, element reads as masked reductions); the
+dispatchers in `jaxspec.speculative.verify` pick that module on TPU, this one
+on GPU and the jnp references on CPU (a kernel never imports its callers, so
+the choice lives there).
 """
 
 from __future__ import annotations
@@ -74,8 +73,8 @@ def _check_runnable(interpret: bool, name: str) -> None:
     if _use_reference(interpret):
         raise NotImplementedError(
             f"{name}: the Triton kernel does not run on {target_platform()!r}; call the "
-            f"dispatcher in jaxspec.speculative.verify, which runs the jnp reference there, "
-            f"or pass interpret=True")
+            f"dispatcher in jaxspec.speculative.verify, which runs the Mosaic kernel on TPU "
+            f"and the jnp reference on CPU, or pass interpret=True")
 
 
 def _compiler_params(interpret: bool):

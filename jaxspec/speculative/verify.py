@@ -68,8 +68,9 @@ drafter that was not checked, e.g. a corpus past the vocabulary) is skipped
 exactly like padding: never accepted, never emitted, residual and coins
 untouched. Greedy needs no test for it (an argmax is always in range).
 
-The public functions run the Pallas kernels of `jaxspec.pallas.verify` on GPU
-(and in interpret mode), the jnp references below elsewhere; see
+The public functions run the Mosaic kernels of `jaxspec.pallas.verify_tpu` on
+TPU, the Triton kernels of `jaxspec.pallas.verify` on GPU (and, interpreted,
+under JAXSPEC_KERNELS=interpret), the jnp references below on CPU; see
 `jaxspec.pallas` for the rule. They are not jitted themselves (the choice is
 made in Python, so a cached trace never hides a JAXSPEC_KERNELS change) but
 are jittable; the kernels and references they call are jitted.
@@ -84,7 +85,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from jaxspec.pallas import interpret_mode, use_kernel
+from jaxspec.pallas import interpret_mode, kernel_backend, use_kernel
 from jaxspec.speculative.sampling import make_verify_noise, race_sample
 
 # VerifyResult lives in a leaf module the Pallas kernels import too (a kernel
@@ -316,9 +317,21 @@ def verify_rejection_ref(
 # Public, dispatching (kernel vs reference per jaxspec.pallas)
 # --------------------------------------------------------------------------
 
-# The verify kernels are Triton-only (jaxspec.pallas.verify explains why Mosaic
-# TPU rejects them), so on TPU the references run.
-_KERNEL_PLATFORMS = ("gpu",)
+def _kernel(rule: str):
+    """The kernel a dispatcher calls for `rule` ("greedy", "target_only", "rejection"), or None
+    where the jnp reference runs (the `jaxspec.pallas` rule). Two kernel sets with one
+    signature: Mosaic on TPU (`jaxspec.pallas.verify_tpu`; Mosaic rejects the Triton ones'
+    blocks and loads), Triton on GPU and in interpret mode (`jaxspec.pallas.verify`). Looked up
+    by name at call time, so tests can stub either set."""
+    if kernel_backend() == "tpu":
+        import jaxspec.pallas.verify_tpu as tpu
+
+        return functools.partial(getattr(tpu, f"verify_{rule}_tpu"), interpret=False)
+    if use_kernel(("gpu",)):
+        import jaxspec.pallas.verify as triton
+
+        return functools.partial(getattr(triton, f"verify_{rule}_pallas"), interpret=interpret_mode())
+    return None
 
 
 def verify_greedy(
@@ -333,11 +346,10 @@ def verify_greedy(
     node. Among the children of the current node the one whose token equals
     target_predict[current] is accepted; the walk stops when none matches (or
     at max_depth); bonus = target_predict[last accepted node]."""
-    if use_kernel(_KERNEL_PLATFORMS):
+    if (kernel := _kernel("greedy")) is not None:
         from jaxspec.models.sharding import shard_kernel_rows
-        from jaxspec.pallas.verify import verify_greedy_pallas
 
-        kernel = functools.partial(verify_greedy_pallas, max_depth=max_depth, interpret=interpret_mode())
+        kernel = functools.partial(kernel, max_depth=max_depth)
         return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_predict)
     return verify_greedy_ref(tokens, retrieve_next_token, retrieve_next_sibling,
                              target_predict, max_depth=max_depth)
@@ -357,11 +369,10 @@ def verify_target_only(
 ) -> VerifyResult:
     """SGLang's target-only tree sampling (module docstring). Lossless only at
     threshold_single = threshold_acc = 1.0 (the default)."""
-    if use_kernel(_KERNEL_PLATFORMS):
+    if (kernel := _kernel("target_only")) is not None:
         from jaxspec.models.sharding import shard_kernel_rows
-        from jaxspec.pallas.verify import verify_target_only_pallas
 
-        kernel = functools.partial(verify_target_only_pallas, max_depth=max_depth, interpret=interpret_mode())
+        kernel = functools.partial(kernel, max_depth=max_depth)
         return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
                                  bonus_noise, threshold_single, threshold_acc)
     return verify_target_only_ref(
@@ -383,11 +394,10 @@ def verify_rejection(
     """Lossless rejection-sampling tree verification (module docstring).
     draft_probs [B, N, V] is indexed by CHILD node; None means one-hot drafts
     (deterministic drafters) without materialising them."""
-    if use_kernel(_KERNEL_PLATFORMS):
+    if (kernel := _kernel("rejection")) is not None:
         from jaxspec.models.sharding import shard_kernel_rows
-        from jaxspec.pallas.verify import verify_rejection_pallas
 
-        kernel = functools.partial(verify_rejection_pallas, max_depth=max_depth, interpret=interpret_mode())
+        kernel = functools.partial(kernel, max_depth=max_depth)
         return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_probs,
                                  draft_probs, uniforms, bonus_noise)
     return verify_rejection_ref(tokens, retrieve_next_token, retrieve_next_sibling,
