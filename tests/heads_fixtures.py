@@ -243,7 +243,7 @@ def write_block_head(d, target, *, kind="dflash", num_layers=2, block_size=8, la
                                 "confidence": True}
         t["markov_head.w1.weight"] = r.mat(g.vocab, markov_rank, np.sqrt(markov_rank))
         t["markov_head.w2.weight"] = r.mat(g.vocab, markov_rank, 2.0)
-        t["confidence_head.weight"] = r.mat(1, h, 2.0)
+        t["confidence_head.weight"] = r.mat(1, h + 1, 2.0)  # over [h, log p of the draft]
         t["confidence_head.bias"] = r.vec(1, 1.0)
     if prefix:
         t = {prefix + k: v for k, v in t.items()}

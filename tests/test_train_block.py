@@ -83,9 +83,8 @@ def test_block_drafter_trains_and_speeds_up_the_engine(world, kind):  # noqa: F8
     assert after["heldout_loss"] < 0.7 * before["heldout_loss"], (before, after)
     assert after["heldout_acc"][0] > before["heldout_acc"][0] + 0.2, (before, after)
     assert len(log[-1]["acc"]) == hcfg.block_size - 1 + (kind == "dspark")
-    if kind == "dspark":  # the confidence head learned which drafts are right (untrained: c = 0.5 everywhere)
-        assert log[0]["conf_gap"] == 0.0 and log[-1]["conf_gap"] > 0.15, (log[0], log[-1])
-        assert log[-1]["conf_loss"] < log[0]["conf_loss"]
+    if kind == "dspark":  # confidence separates right drafts from wrong ones, better than at the start
+        assert log[-1]["conf_gap"] > 0.15 and log[-1]["conf_loss"] < log[0]["conf_loss"], (log[0], log[-1])
     # The export is the published format, loads through the CLI's loader, and keeps greedy output exact.
     written = json.loads((run / "head" / "config.json").read_text())
     assert written["architectures"] == ["DFlashDraftModel" if kind == "dflash" else "DSparkDraftModel"]

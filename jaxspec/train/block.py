@@ -30,7 +30,8 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.heads.block import (
-    block_hidden, block_logits, confidence_logit, context_kv, markov_bias, output_offset, project_context,
+    block_hidden, block_logits, confidence_logit, context_kv, draft_log_odds, markov_bias, output_offset,
+    project_context,
     window_mask,
 )
 from jaxspec.models.heads.config import HeadConfig
@@ -59,7 +60,7 @@ def block_mask_token(target_cfg: ModelConfig) -> int:
 
 def init_block_params(hcfg: HeadConfig, seed: int = 0) -> dict:
     """Random HF-layout weights: projections at 1/sqrt(fan-in), norms at one, the Markov head's
-    output at zero (it starts as no bias), the confidence head at zero (0.5 everywhere)."""
+    output at zero (it starts as no bias), the confidence head at c = the draft's own probability."""
     rng = np.random.default_rng([seed, 7])
     c = hcfg.layer
     h, i, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
@@ -78,7 +79,7 @@ def init_block_params(hcfg: HeadConfig, seed: int = 0) -> dict:
         r = hcfg.markov_rank
         p["markov_w1"] = jnp.asarray(rng.standard_normal((c.vocab_size, r)).astype(np.float32))
         p["markov_w2"] = jnp.zeros((c.vocab_size, r), jnp.float32)
-        p["conf_w"] = jnp.zeros((1, h), jnp.float32)
+        p["conf_w"] = jnp.zeros((1, h + 1), jnp.float32).at[0, h].set(1.0)  # c = the draft's own p
         p["conf_b"] = jnp.zeros((1,), jnp.float32)
     return p
 
@@ -199,7 +200,8 @@ def block_loss(params, batch, shared, rng, *, hcfg: HeadConfig, lcfg):
     loss = jnp.sum(wd * per_pos) / jnp.sum(wd)
     metrics = {"loss": loss, "step_loss": per_pos, "acc": jnp.sum(hit, axis=(0, 1)) / cnt}
     if hcfg.confidence:
-        z = confidence_logit(own, hidden.reshape(b * a, nd, -1)).reshape(b, a, nd)
+        odds = jax.lax.stop_gradient(draft_log_odds(logits))  # confidence does not train the drafts
+        z = confidence_logit(own, hidden.reshape(b * a, nd, -1), odds.reshape(b * a, nd)).reshape(b, a, nd)
         y = jax.lax.stop_gradient(hit.astype(jnp.float32))
         bce = jnp.maximum(z, 0) - z * y + jnp.log1p(jnp.exp(-jnp.abs(z)))
         conf_loss = jnp.sum(jnp.where(counted, bce, 0.0)) / jnp.maximum(jnp.sum(counted), 1)

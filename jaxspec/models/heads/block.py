@@ -21,12 +21,16 @@ Which block output drafts which token:
           (next-token, as a causal LM; every output is used). Then a Markov bias
           B(t_prev) = W2 . W1[t_prev] (rank `markov_rank`) is added position by
           position from the previously drafted token, and a confidence head gives
-          sigmoid(w . h_j + b), the probability that draft j is right.
+          sigmoid(w . [h_j, logit p_j] + b), the probability that draft j is right, from
+          the block state and the log-odds of the probability the drafter gives its own
+          draft. Initialised to c = p_j (weight 1 on the log-odds, 0 elsewhere) and
+          trained from there: a linear probe of h alone learnt little more than the base
+          rate in a CPU budget, and Adam's step size kept it from finding the odds' scale.
 
 Params (Hugging Face layout, as loaded; `prepare_block_params` makes matrices [in, out]):
   fc [H, F], hidden_norm [H], norm [H], layers: list of {attn_norm, wq, wk, wv, wo, q_norm,
   k_norm, mlp_norm, w_gate, w_up, w_down (, bq, bk, bv)}; dspark: markov_w1 [V, r] (an
-  embedding), markov_w2 [V, r] (a Linear r -> V), conf_w [1, H], conf_b [1].
+  embedding), markov_w2 [V, r] (a Linear r -> V), conf_w [1, H + 1], conf_b [1].
 """
 
 from __future__ import annotations
@@ -148,11 +152,22 @@ def markov_bias(
     return linear(params["markov_w1"][prev].astype(jnp.float32), params["markov_w2"]).astype(jnp.float32)
 
 
+def draft_log_odds(
+    logits: Float[Array, "... V"],  # the logits a draft is chosen from (Markov bias included)
+) -> Float[Array, "..."]:
+    """log(p / (1 - p)) of the argmax draft's probability p under the drafter's own
+    (temperature 1) distribution, p clipped to [1e-6, 1 - 1e-6]."""
+    p = jnp.clip(jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1), 1e-6, 1 - 1e-6)
+    return jnp.log(p) - jnp.log1p(-p)
+
+
 def confidence_logit(
     params: dict,
     hidden: Float[Array, "B W H"],
+    odds: Float[Array, "B W"],  # draft_log_odds of each position's draft
 ) -> Float[Array, "B W"]:
-    return (linear(hidden.astype(jnp.float32), params["conf_w"])[..., 0] + params["conf_b"][0]).astype(jnp.float32)
+    x = jnp.concatenate([hidden.astype(jnp.float32), odds[..., None].astype(jnp.float32)], axis=-1)
+    return (linear(x, params["conf_w"])[..., 0] + params["conf_b"][0]).astype(jnp.float32)
 
 
 def window_mask(

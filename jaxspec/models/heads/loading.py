@@ -188,7 +188,7 @@ def _load_block(t: _Tensors, hcfg: HeadConfig) -> dict:
         v, r = c.vocab_size, hcfg.markov_rank
         params.update(markov_w1=t.get("markov_head.w1.weight", (v, r)), markov_w2=t.get("markov_head.w2.weight", (v, r)))
         if hcfg.confidence:
-            params.update(conf_w=t.get("confidence_head.weight", (1, h)), conf_b=t.get("confidence_head.bias", (1,)))
+            params.update(conf_w=t.get("confidence_head.weight", (1, h + 1)), conf_b=t.get("confidence_head.bias", (1,)))
     return params
 
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jaxspec.cache.attention import _MASK_VALUE, gather_pages
 from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
 from jaxspec.models.heads.block import (
-    block_hidden, block_logits, block_tokens, block_width, confidence_logit, context_kv, markov_bias,
+    block_hidden, block_logits, block_tokens, block_width, confidence_logit, context_kv, draft_log_odds, markov_bias,
     output_offset, prepare_block_params, project_context, window_mask,
 )
 from jaxspec.models.heads.config import HeadConfig
@@ -196,7 +196,7 @@ class BlockDrafter(DrafterBase):
         h = self.hidden(params, state, root, r, s.page_table)
         h = h[:, 1 - off:1 - off + self.num_draft_tokens - 1]  # [B, N-1, H]: the outputs that draft
         logits = block_logits(params["target"], h)
-        drafts, qs, prev = [], [], root
+        drafts, qs, odds, prev = [], [], [], root
         for d in range(1, self.num_draft_tokens):
             base = logits[:, d - 1]
             if hc.markov_rank:
@@ -204,16 +204,17 @@ class BlockDrafter(DrafterBase):
             tok, q = choose_draft(base, s.sampling, s.hist_len, d, None, hc.layer.vocab_size, self.sample_drafts)
             drafts.append(tok)
             qs.append(q)
+            odds.append(draft_log_odds(base))
             prev = tok
         prop = chain_proposal(root, drafts, qs, self.sample_drafts, state)
         if hc.confidence and self.sps_table is not None:
-            prop = prop._replace(tokens=self._plan(params, h, prop.tokens, s.done))
+            prop = prop._replace(tokens=self._plan(params, h, jnp.stack(odds, 1), prop.tokens, s.done))
         return prop
 
-    def _plan(self, params, h, tokens, done):
+    def _plan(self, params, h, odds, tokens, done):
         from jaxspec.speculative.planner import plan_budgets, survival
 
-        conf = jax.nn.sigmoid(confidence_logit(params["own"], h))  # [B, N-1]
+        conf = jax.nn.sigmoid(confidence_logit(params["own"], h, odds))  # [B, N-1]
         t_tok = jnp.asarray(self.sps_table[0], jnp.int32)
         t_sps = jnp.asarray(self.sps_table[1], jnp.float32)
         budget = plan_budgets(survival(conf), ~done, t_tok, t_sps)  # [B] drafts kept
