@@ -51,6 +51,7 @@ FLAG_KEYS = {
     "simulate_accept_length": "spec.simulate_accept_length",
     "tree_choices": "spec.tree_choices",
     "eagle3_layer_ids": "spec.eagle3_layer_ids",
+    "sps_table": "spec.sps_table",
 }
 
 
@@ -71,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     sp = p.add_argument_group("speculative decoding")
-    sp.add_argument("--spec", metavar="none|ngram|standalone|eagle|eagle3|nextn|medusa|mlp_speculator",
+    sp.add_argument("--spec", metavar="none|ngram|standalone|eagle|eagle3|nextn|medusa|mlp_speculator|dflash|dspark",
                     help="speculative algorithm")
     sp.add_argument("--num-steps", type=int, help="draft steps per iteration (tree depth)")
     sp.add_argument("--topk", type=int, help="branching per draft step (1 = chain)")
@@ -81,13 +82,15 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--threshold-single", type=float, help="target-only verify; < 1 is NOT lossless")
     sp.add_argument("--threshold-acc", type=float, help="target-only verify; < 1 is NOT lossless")
     sp.add_argument("--draft-model", help="standalone: 'default', a HF dir or a .gguf (same tokenizer); eagle, "
-                    "eagle3, medusa, mlp_speculator: a head directory in its published format (eagle/nextn "
-                    "without one: the target's own MTP layers)")
+                    "eagle3, medusa, mlp_speculator, dflash, dspark: a head directory in its published format "
+                    "(eagle/nextn without one: the target's own MTP layers)")
     sp.add_argument("--tree-choices", metavar="JSON", help="medusa tree as rank paths, e.g. '[[0],[1],[0,0]]'")
     sp.add_argument("--eagle3-layer-ids", choices=["output", "input"],
                     help="EAGLE-3 eagle_aux_hidden_state_layer_ids count layer outputs (SpecForge/SGLang, "
                     "default) or layer inputs (vLLM)")
     sp.add_argument("--draft-layers", type=int, help="standalone draft = first N layers of the draft (or target)")
+    sp.add_argument("--sps-table", help="dspark's planner table: 'default' (configs/sps/ for this platform), "
+                    "'flat' (verify every draft) or a JSON file from `python -m jaxspec.bench sps`")
     sp.add_argument("--ngram-min-match", type=int)
     sp.add_argument("--ngram-max-match", type=int)
     sp.add_argument("--ngram-draft-tokens-by-match", metavar="N1,N2,...",
