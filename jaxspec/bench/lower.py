@@ -2,7 +2,9 @@
 an accelerator from this host, with the custom calls each one contains.
 
 Nothing runs and no accelerator is needed. Each entry point (prefill, the plain decode loop, the
-speculative loop for n-gram and standalone drafting, chain and tree, and the server's buckets) is
+speculative loop for n-gram and standalone drafting, chain and tree, for the feature drafters (EAGLE
+chain, EAGLE-3 and Medusa trees, on fresh random heads: a head's weights change no kernel choice),
+and the server's buckets) is
 traced with kernels chosen for the target platform (`jaxspec.pallas.lowering_for`, the same
 dispatch rule as on the device) and lowered with `lowering_platforms=(platform,)`. That runs the
 Pallas Triton / Mosaic lowering rules, which reject ops and shapes they cannot lower, but not the
@@ -50,6 +52,8 @@ class Case:
     prefill: str | None  # entry name of its prefill (None: the same as another case's)
     decode: str
     draft_layers: int = 0  # standalone: the target's first N layers as the draft model
+    head: str | None = None  # a feature drafter: a fresh random head of this kind (`models.heads.init`)
+    head_kw: dict = dataclasses.field(default_factory=dict)
 
 
 CASES = (
@@ -59,6 +63,12 @@ CASES = (
     Case({"algorithm": "standalone", "num_draft_tokens": 4}, "prefill_standalone", "spec_standalone_chain", 1),
     Case({"algorithm": "standalone", "topk": 2, "num_steps": 2, "num_draft_tokens": 5}, None,
          "spec_standalone_tree", 1),
+    Case({"algorithm": "eagle", "num_steps": 3, "num_draft_tokens": 4}, None, "spec_eagle_chain", head="eagle"),
+    # The prefill of a multi-layer feature drafter: the target's features feed the head's prefill.
+    Case({"algorithm": "eagle3", "topk": 2, "num_steps": 2, "num_draft_tokens": 5}, "prefill_eagle3",
+         "spec_eagle3_tree", head="eagle3"),
+    Case({"algorithm": "medusa", "topk": 2, "num_steps": 3, "num_draft_tokens": 6}, None, "spec_medusa_tree",
+         head="medusa", head_kw={"num_heads": 3}),
 )
 
 
@@ -101,13 +111,35 @@ def _engine_cfg(args):
                          layer_loop="scan", cpu_kernels="xla")
 
 
+def fresh_head(model, kind: str, **kw):
+    """(params, HeadConfig) of a random `kind` head for `model`, in the model's dtype.
+
+    EAGLE-3 reads the states entering layers (2, L // 2, L - 3) by default, which a target of
+    fewer than 4 layers (--model tiny) lacks: there it reads (0, L // 2, L). Its draft
+    vocabulary is half the target's, so the d2t mapping is lowered too."""
+    from jaxspec.models.heads.init import head_config, init_head_params
+
+    cfg = model.config
+    if kind == "eagle3":
+        kw = {"draft_vocab_size": cfg.vocab_size // 2, **kw}
+        if cfg.num_layers < 4:
+            kw.setdefault("feature_layers", (0, cfg.num_layers // 2, cfg.num_layers))
+    hcfg = head_config(kind, cfg, **kw)
+    return init_head_params(hcfg, dtype=model.params["embed"].dtype), hcfg
+
+
 def _build_engine(model, case: Case, args, mesh=None, split_pages: bool = True):
     from jaxspec.config import SpecSection
     from jaxspec.engine import Engine
     from jaxspec.speculative.drafters.standalone import truncate_layers
 
     spec = SpecSection(**case.spec) if case.spec else None
-    draft = truncate_layers(model.params, model.config, case.draft_layers) if case.draft_layers else None
+    if case.head:
+        draft = fresh_head(model, case.head, **case.head_kw)
+    elif case.draft_layers:
+        draft = truncate_layers(model.params, model.config, case.draft_layers)
+    else:
+        draft = None
     return Engine(model.params, model.config, _engine_cfg(args), progress=False, spec=spec, draft=draft, mesh=mesh,
                   split_pages=split_pages)
 
