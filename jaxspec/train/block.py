@@ -30,14 +30,11 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.heads.block import (
-    block_hidden, block_logits, confidence_logit, context_kv, draft_log_odds, markov_bias, output_offset,
+    block_attend, block_hidden, block_logits, confidence_logit, context_kv, draft_log_odds, markov_bias, output_offset,
     project_context,
     window_mask,
 )
 from jaxspec.models.heads.config import HeadConfig
-
-_MASK = -1e30
-
 
 def block_head_config(kind: str, target: ModelConfig, *, num_layers: int, block_size: int, mask_token_id: int,
                       feature_layers: tuple[int, ...], markov_rank: int = 0) -> HeadConfig:
@@ -112,25 +109,6 @@ def sample_anchors(batch: dict, rng, num: int) -> tuple[jax.Array, jax.Array]:
     return idx.astype(jnp.int32), jnp.isfinite(score)
 
 
-def _train_attend(q, k_ctx, v_ctx, k_blk, v_blk, ctx_vis, blk_vis):
-    """q [B, A, W, nh, hd]; k_ctx/v_ctx [B, T, kvh, hd]; k_blk/v_blk [B, A, W, kvh, hd];
-    ctx_vis [B, A, W, T], blk_vis [B, A, W, W] or None -> [B, A, W, nh, hd]."""
-    b, a, w, nh, hd = q.shape
-    kvh = k_ctx.shape[2]
-    qg = q.reshape(b, a, w, kvh, nh // kvh, hd)
-    scale = hd ** -0.5
-    sc = jnp.einsum("bawkgd,btkd->bkgawt", qg, k_ctx, preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(ctx_vis[:, None, None], sc, _MASK)
-    sb = jnp.einsum("bawkgd,bavkd->bkgawv", qg, k_blk, preferred_element_type=jnp.float32) * scale
-    if blk_vis is not None:
-        sb = jnp.where(blk_vis[:, None, None], sb, _MASK)
-    p = jax.nn.softmax(jnp.concatenate([sc, sb], axis=-1), axis=-1)
-    t = k_ctx.shape[1]
-    o = jnp.einsum("bkgawt,btkd->bawkgd", p[..., :t].astype(v_ctx.dtype), v_ctx)
-    o = o + jnp.einsum("bkgawv,bavkd->bawkgd", p[..., t:].astype(v_blk.dtype), v_blk)
-    return o.reshape(b, a, w, nh, hd)
-
-
 def train_hidden(
     own: dict,  # runtime layout (`runtime`)
     hcfg: HeadConfig,
@@ -159,8 +137,8 @@ def train_hidden(
         if win is not None:
             vis = vis & win.reshape(b, a, w, t)
         bwin = window_mask(hcfg, layer, qpos.reshape(b * a, w), qpos.reshape(b * a, w))
-        o = _train_attend(sh(q), k_ctx[layer], v_ctx[layer], sh(k), sh(v), vis,
-                          None if bwin is None else bwin.reshape(b, a, w, w))
+        o = block_attend(sh(q), k_ctx[layer], v_ctx[layer], sh(k), sh(v), vis,
+                         None if bwin is None else bwin.reshape(b, a, w, w))
         return o.reshape(b * a, w, *o.shape[3:])
 
     hidden = block_hidden(own, hcfg, shared, block.reshape(b * a, w), qpos.reshape(b * a, w), attend)

@@ -170,6 +170,37 @@ def confidence_logit(
     return (linear(x, params["conf_w"])[..., 0] + params["conf_b"][0]).astype(jnp.float32)
 
 
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def block_attend(
+    q: Float[Array, "B A W NH HD"],  # A blocks per context row (training: anchors; inference: 1)
+    k_ctx: Float[Array, "B T KVH HD"],  # the context K/V of each row, shared by its blocks
+    v_ctx: Float[Array, "B T KVH HD"],
+    k_blk: Float[Array, "B A W KVH HD"],  # each block's own K/V
+    v_blk: Float[Array, "B A W KVH HD"],
+    ctx_vis: jax.Array,  # [B, A, W, T] bool: context keys each query sees
+    blk_vis: jax.Array | None,  # [B, A, W, W] bool, None = bidirectional
+) -> Float[Array, "B A W NH HD"]:
+    """A block's queries over its context and itself, one softmax over both (GQA groups in one
+    einsum): the drafter's forward (over its gathered cache) and training (over the sequence)."""
+    b, a, w, nh, hd = q.shape
+    kvh = k_ctx.shape[2]
+    qg = q.reshape(b, a, w, kvh, nh // kvh, hd)
+    scale = hd ** -0.5
+    sc = jnp.einsum("bawkgd,btkd->bkgawt", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(ctx_vis[:, None, None], sc, _MASK)
+    sb = jnp.einsum("bawkgd,bavkd->bkgawv", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    if blk_vis is not None:
+        sb = jnp.where(blk_vis[:, None, None], sb, _MASK)
+    p = jax.nn.softmax(jnp.concatenate([sc, sb], axis=-1), axis=-1)
+    t = k_ctx.shape[1]
+    o = jnp.einsum("bkgawt,btkd->bawkgd", p[..., :t].astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    o = o + jnp.einsum("bkgawv,bavkd->bawkgd", p[..., t:].astype(v_blk.dtype), v_blk,
+                       preferred_element_type=jnp.float32)
+    return o.reshape(b, a, w, nh, hd).astype(q.dtype)
+
+
 def window_mask(
     hcfg: HeadConfig,
     layer: int,

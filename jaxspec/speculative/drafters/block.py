@@ -32,10 +32,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache.attention import _MASK_VALUE, gather_pages
+from jaxspec.cache.attention import gather_pages
 from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
 from jaxspec.models.heads.block import (
-    block_hidden, block_logits, block_tokens, block_width, confidence_logit, context_kv, draft_log_odds, markov_bias,
+    block_attend, block_hidden, block_logits, block_tokens, block_width, confidence_logit, context_kv, draft_log_odds, markov_bias,
     output_offset, prepare_block_params, project_context, window_mask,
 )
 from jaxspec.models.heads.config import HeadConfig
@@ -52,30 +52,18 @@ def block_attention(
     ctx_len: jax.Array,  # [B] int32: context slots < ctx_len are visible
     k_block: jax.Array,  # [B, W, kvh, hd]
     v_block: jax.Array,  # [B, W, kvh, hd]
-    q_pos: jax.Array,  # [B, W] int32
     ctx_mask: jax.Array | None,  # [B, W, S] extra context visibility (sliding window) or None
     blk_mask: jax.Array | None,  # [B, W, W] block visibility, None = bidirectional
-    *,
-    scale: float,
 ) -> jax.Array:  # [B, W, H, hd]
-    b, w, h, hd = q.shape
-    kvh = k_pages.shape[2]
-    qg = q.reshape(b, w, kvh, h // kvh, hd)
+    """The block over the drafter's cached context (read in place by gathering the row's pages)."""
+    b, w = q.shape[:2]
     k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
     s = k.shape[1]
     vis = jnp.broadcast_to((jnp.arange(s, dtype=jnp.int32)[None, :] < ctx_len[:, None])[:, None], (b, w, s))
     if ctx_mask is not None:
         vis = vis & ctx_mask
-    pre = jnp.einsum("bwkgd,bskd->bkgws", qg, k, preferred_element_type=jnp.float32) * scale
-    pre = jnp.where(vis[:, None, None], pre, _MASK_VALUE)
-    blk = jnp.einsum("bwkgd,bukd->bkgwu", qg, k_block, preferred_element_type=jnp.float32) * scale
-    if blk_mask is not None:
-        blk = jnp.where(blk_mask[:, None, None], blk, _MASK_VALUE)
-    probs = jax.nn.softmax(jnp.concatenate([pre, blk], axis=-1), axis=-1)
-    out = jnp.einsum("bkgws,bskd->bwkgd", probs[..., :s].astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("bkgwu,bukd->bwkgd", probs[..., s:].astype(v_block.dtype), v_block,
-                           preferred_element_type=jnp.float32)
-    return out.reshape(b, w, h, hd).astype(q.dtype)
+    one = lambda x: None if x is None else x[:, None]  # noqa: E731  (one block per row)
+    return block_attend(q[:, None], k, v, k_block[:, None], v_block[:, None], vis[:, None], one(blk_mask))[:, 0]
 
 
 def resolve_sps_table(name: str) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
@@ -182,9 +170,8 @@ class BlockDrafter(DrafterBase):
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (root.shape[0], s))
 
         def attend(layer, q, k, v):
-            return block_attention(q, state.cache.k[layer], state.cache.v[layer], page_table, r, k, v, pos,
-                                   window_mask(hc, layer, pos, k_pos), window_mask(hc, layer, pos, pos),
-                                   scale=hc.layer.head_dim ** -0.5)
+            return block_attention(q, state.cache.k[layer], state.cache.v[layer], page_table, r, k, v,
+                                   window_mask(hc, layer, pos, k_pos), window_mask(hc, layer, pos, pos))
 
         return block_hidden(params["own"], hc, params["target"], tokens, pos, attend)
 
