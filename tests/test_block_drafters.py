@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

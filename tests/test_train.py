@@ -171,8 +171,14 @@ def test_eagle3_trains_and_speeds_up_the_engine(world):
     # and with the untrained one (one engine, the head swapped), and the trained head's τ is higher.
     ps, plain = world["held_prompts"][:8], world["held_plain"][:8]
     he = tr.HeadEngine(res.hcfg, model, ps, draft_ids=ids, max_new_tokens=RESPONSE)
+    assert_exact_and_faster(he, res.params, fresh, plain)
+
+
+def assert_exact_and_faster(he, trained, untrained, plain) -> None:
+    """Greedy output of the HeadEngine equals plain greedy with both heads (one engine, the head
+    swapped), and the trained head's τ beats the untrained one's by 0.5."""
     taus = {}
-    for name, p in (("trained", res.params), ("untrained", fresh)):
+    for name, p in (("trained", trained), ("untrained", untrained)):
         out = he.generate(p)
         assert [r.output_ids for r in out] == plain, name
         taus[name] = sum(map(sum, (r.accept_lengths for r in out))) / sum(len(r.accept_lengths) for r in out)

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from jaxspec.speculative.types import Committed
 from jaxspec.train import block as B
 from jaxspec.train import trainer as tr
 from jaxspec.train.export import export_head
-from tests.test_train import LAYERS, RESPONSE, T, small, world  # noqa: F401  (world: the module fixture)
+from tests.test_train import LAYERS, RESPONSE, assert_exact_and_faster, small, world  # noqa: F401  (world: fixture)
 
 
 def bsmall(kind, **kw):
@@ -94,12 +93,7 @@ def test_block_drafter_trains_and_speeds_up_the_engine(world, kind):  # noqa: F8
     ps, plain = world["held_prompts"][:8], world["held_plain"][:8]
     n = hcfg.block_size + (kind == "dspark")
     he = tr.HeadEngine(res.hcfg, model, ps, max_new_tokens=RESPONSE, num_draft_tokens=n)
-    taus = {}
-    for name, p in (("trained", res.params), ("untrained", fresh)):
-        out = he.generate(p)
-        assert [r.output_ids for r in out] == plain, name
-        taus[name] = sum(map(sum, (r.accept_lengths for r in out))) / sum(len(r.accept_lengths) for r in out)
-    assert taus["trained"] > taus["untrained"] + 0.5, taus
+    assert_exact_and_faster(he, res.params, fresh, plain)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])

@@ -21,7 +21,6 @@ cross-entropy against whether the position's draft (the argmax) is right.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
