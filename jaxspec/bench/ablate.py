@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxspec.bench.ablate_grid import Grid, GridError, Point, baseline_of, load_grid, plan
+from jaxspec.bench.common import time_split
 
 ROWS, INVALID = "rows.jsonl", "invalid.jsonl"
 # What a point that cannot run raises: the validator's, the head loader's, the engine's messages.
@@ -170,16 +171,6 @@ def requests_for(point: Point, prompts: list[list[int]], idx: list[int], max_new
     t = float(point.run["temperature"])
     return [Request(prompts[src], max_new_tokens=max_new, temperature=t, top_p=float(point.run["top_p"]),
                     top_k=int(point.run["top_k"]), seed=int(point.run["seed"]) + slot) for slot, src in idx]
-
-
-def time_split(engine, reqs) -> dict | None:
-    """{draft, verify, other}: fractions of one batch rerun with the phases jitted apart (the fused
-    loop has no per-phase clock). Once per point: the phase functions compile on every call."""
-    if engine.spec_plan is None:
-        return None
-    s = engine.profile_phases(reqs)["seconds"]
-    total = sum(s.values())
-    return {k: v / total for k, v in s.items()} if total else None
 
 
 def run_group(engine, point: Point, grid: Grid, prompts, group: list[tuple[int, int]], pid: str,

@@ -294,3 +294,13 @@ def llama_cpp_decode_rates(llama_cpp, gguf_path, prompts: list[list[int]], max_n
         close = getattr(llm, "close", None)
         if close is not None:
             close()
+
+
+def time_split(engine, reqs) -> dict | None:
+    """{draft, verify, other}: fractions of one batch rerun with the phases jitted apart (the fused
+    loop has no per-phase clock). Once per point: the phase functions compile on every call."""
+    if engine.spec_plan is None:
+        return None
+    s = engine.profile_phases(reqs)["seconds"]
+    total = sum(s.values())
+    return {k: v / total for k, v in s.items()} if total else None

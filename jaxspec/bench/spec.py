@@ -195,7 +195,7 @@ def block_ceiling(model, prompts, new: int, base: float, roofline: float) -> lis
 
 def phase_split(engine, prompt, new: int) -> list[float]:
     """[draft, verify, other] fractions of one request, the phases jitted apart."""
-    from jaxspec.bench.ablate import time_split
+    from jaxspec.bench.common import time_split
     from jaxspec.engine import Request
 
     s = time_split(engine, [Request(prompt, max_new_tokens=new)]) or {}

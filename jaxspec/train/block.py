@@ -21,7 +21,6 @@ cross-entropy against whether the position's draft (the argmax) is right.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -190,44 +189,3 @@ def block_loss(params, batch, shared, rng, *, hcfg: HeadConfig, lcfg):
                - jnp.sum(jnp.where(miss, c, 0.0)) / jnp.maximum(jnp.sum(miss), 1))
         metrics.update(loss=loss, conf_loss=conf_loss, conf_gap=gap)
     return loss, metrics
-
-
-def export_block(params: dict, hcfg: HeadConfig, out_dir, *, num_target_layers: int | None = None,
-                 extra: dict | None = None) -> Path:
-    """The DFlash format (z-lab/dflash, SpecForge): Qwen3 config with `block_size` and
-    `dflash_config {mask_token_id, target_layer_ids}` (the OUTPUT convention, z-lab's
-    hidden_states[i + 1]); DSpark adds `dspark_config {markov_rank, ...}` and its heads."""
-    from jaxspec.train.export import _np, _write, llama_fields
-
-    c = hcfg.layer
-    if any(k < 1 for k in hcfg.feature_layers):
-        raise ValueError(f"feature layers {hcfg.feature_layers} include the embedding (0), which the output "
-                         "convention cannot write")
-    names = {"attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight",
-             "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
-             "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-             "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
-             "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight"}
-    t = {"fc.weight": _np(params["fc"]), "hidden_norm.weight": _np(params["hidden_norm"]),
-         "norm.weight": _np(params["norm"])}
-    for i, layer in enumerate(params["layers"]):
-        t.update({f"layers.{i}.{names[k]}": _np(v) for k, v in layer.items()})
-    sub = {"mask_token_id": hcfg.mask_token_id, "target_layer_ids": [k - 1 for k in hcfg.feature_layers],
-           "block_size": hcfg.block_size}
-    cfg = {**llama_fields(c), "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-           "num_hidden_layers": c.num_layers, "block_size": hcfg.block_size, "dflash_config": sub,
-           "num_target_layers": num_target_layers}
-    if hcfg.kind == "dspark":
-        cfg["architectures"] = ["DSparkDraftModel"]
-        cfg["dspark_config"] = {**cfg.pop("dflash_config"), "markov_rank": hcfg.markov_rank,
-                                "markov_type": "vanilla", "confidence": bool(hcfg.confidence)}
-        t["markov_head.w1.weight"] = _np(params["markov_w1"])
-        t["markov_head.w2.weight"] = _np(params["markov_w2"])
-        if hcfg.confidence:
-            t["confidence_head.weight"] = _np(params["conf_w"])
-            t["confidence_head.bias"] = _np(params["conf_b"])
-    cfg.update(extra or {})
-    if cfg.get("num_target_layers") is None:
-        cfg.pop("num_target_layers")
-    return _write(out_dir, cfg, t)
-
