@@ -20,7 +20,8 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 # The draft heads shipped with the repository, per algorithm, for the embedded
 # SmolLM2-135M-Instruct (`--draft-model default`).
-SHIPPED_HEADS = {"eagle3": "eagle3-smollm2-135m", "medusa": "medusa-smollm2-135m"}
+SHIPPED_HEADS = {"eagle3": "eagle3-smollm2-135m", "medusa": "medusa-smollm2-135m",
+                 "dflash": "dflash-smollm2-135m", "dspark": "dspark-smollm2-135m"}
 
 
 def checkpoints_dir() -> Path:

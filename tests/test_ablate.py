@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -179,7 +178,7 @@ def test_rows_schema_and_metrics(world):
 def test_invalid_points_are_reported_with_the_reason(world):
     invalid = {(r["method"]): r["reason"] for r in world["res"]["invalid"]}
     # No shipped DFLASH drafter fits the tiny target: the loader's message, not a crash.
-    assert re.search("does not fit this target|needs a draft model", invalid["dflash, chain 4, 0.0"])
+    assert "does not fit this target" in invalid["dflash, chain 4, 0.0"]
     assert "nope" in invalid["medusa missing, chain 4, 0.0"]
     assert set(invalid) == {"dflash, chain 4, 0.0", "dflash, chain 4, 1.0", "medusa missing, chain 4, 0.0",
                             "medusa missing, chain 4, 1.0"}
