@@ -62,7 +62,7 @@ def test_spec_cli_adds_accept_lengths_and_tau(tiny_dirs, tmp_path, capsys):
         (["--prompts", "LONG"], "exceeds the context"),
         (["--prompts", "NOKEY"], "expected one of 'messages', 'prompt' or 'prompt_ids'"),
         (["--prompts", "ROLE"], "unknown role"),
-        (["--spec", "dflash"], "not implemented yet"),
+        (["--spec", "dflash"], "the shipped dflash head (dflash-smollm2-135m) is for the embedded"),
         (["--spec", "bogus"], "unknown speculative algorithm"),
         (["--spec", "standalone"], "needs a draft model"),
         (["--spec", "standalone", "--draft-layers", "3", "--topk", "2", "--num-steps", "1",
