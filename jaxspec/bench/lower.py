@@ -69,6 +69,9 @@ CASES = (
          "spec_eagle3_tree", head="eagle3"),
     Case({"algorithm": "medusa", "topk": 2, "num_steps": 3, "num_draft_tokens": 6}, None, "spec_medusa_tree",
          head="medusa", head_kw={"num_heads": 3}),
+    # Block drafters: one forward per block; DSPARK's planner and ragged verify widths inside the loop.
+    Case({"algorithm": "dflash", "num_draft_tokens": 8}, "prefill_dflash", "spec_dflash_chain", head="dflash"),
+    Case({"algorithm": "dspark", "num_draft_tokens": 8}, None, "spec_dspark_chain", head="dspark"),
 )
 
 
@@ -120,6 +123,17 @@ def fresh_head(model, kind: str, **kw):
     from jaxspec.models.heads.init import head_config, init_head_params
 
     cfg = model.config
+    if kind in ("dflash", "dspark"):
+        import jax
+
+        from jaxspec.train.block import block_head_config, init_block_params
+
+        L = cfg.num_layers
+        hcfg = block_head_config(kind, cfg, num_layers=1, block_size=8 if kind == "dflash" else 7,
+                                 mask_token_id=min(3, cfg.vocab_size - 1), markov_rank=16,
+                                 feature_layers=(2, L // 2, L - 3) if L >= 4 else (1, L))
+        params = jax.tree.map(lambda x: x.astype(model.params["embed"].dtype), init_block_params(hcfg))
+        return params, hcfg
     if kind == "eagle3":
         kw = {"draft_vocab_size": cfg.vocab_size // 2, **kw}
         if cfg.num_layers < 4:
