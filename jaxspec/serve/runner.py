@@ -11,6 +11,14 @@ stay), gathered into the call's rows and scattered back inside the same
 executable. A recomputed (preempted) sequence is prefilled again, which
 rewrites its slot, features included. All of these are donated to every call.
 
+Pages over "data" (`Engine(split_pages=True)`, under a mesh with data > 1):
+each data shard has its own page pool and its own slice of the slot store, and
+both executables run once per data shard (`sharding.per_data_shard`). A batch
+of b rows gives shard d rows d*(b/data) .. (d+1)*(b/data)-1, so the scheduler
+lays the batch out (`place`): every sequence is pinned to one shard while it
+is active, its page-table row holds that shard's local page ids and its slot
+is a row of that shard's store. A `None` row is padding.
+
 Two executables per bucket:
 
 * `prefill(b, chunk)`: one chunk of up to `chunk` prompt tokens per row at
@@ -53,6 +61,7 @@ class RowInput:
     top_p: float
     seed: int
     stop_ids: Sequence[int]
+    shard: int | None = None  # split pages: the data shard the sequence is pinned to (checked against its row)
 
 
 @dataclasses.dataclass
@@ -109,9 +118,9 @@ class ModelRunner:
                  context_buckets: Sequence[int], prefill_chunk: int, max_prefill_batch: int):
         if engine.spec_plan is None:
             raise ValueError("ModelRunner needs an engine built with a spec plan (k = 0 is plain decoding)")
-        if engine.split_pages:  # rows move between batch positions, so their pages cannot sit on one shard
-            raise ValueError("ModelRunner needs one page pool: build the Engine with split_pages=False")
         self.engine = engine
+        # Split pages: rows of shard d sit at d*(b/data) .. in every batch (`place`).
+        self.num_shards = engine.num_shards
         self.cfg = engine.cfg
         self.page_size = engine.page_size
         self.steps_per_call = steps_per_call
@@ -123,9 +132,11 @@ class ModelRunner:
         self.plans = {k: (base if fixed_tree else plan_for_steps(base, k)) for k in self.candidates}
         self.max_depth = max(p.max_depth for p in self.plans.values())
         ecfg = engine.ecfg
-        self.batch_buckets = tuple(b for b in sorted(ecfg.batch_buckets) if b < ecfg.max_batch_size)
-        self.batch_buckets += (ecfg.max_batch_size,)
-        self.prefill_batches = tuple(b for b in self.batch_buckets if b <= max_prefill_batch) or (1,)
+        n = self.num_shards  # buckets round up to whole rows per data shard, as the engine's do
+        up = lambda b: -(-b // n) * n  # noqa: E731
+        buckets = [b for b in sorted(ecfg.batch_buckets) if b < ecfg.max_batch_size] + [ecfg.max_batch_size]
+        self.batch_buckets = tuple(sorted({up(b) for b in buckets}))
+        self.prefill_batches = tuple(b for b in self.batch_buckets if b <= up(max_prefill_batch)) or (n,)
         self.chunk_buckets = tuple(c for c in sorted(ecfg.length_buckets) if c < prefill_chunk) + (prefill_chunk,)
         self.prefill_chunk = prefill_chunk
         ctx = [c for c in sorted(context_buckets) if c < engine.max_context] + [engine.max_context]
@@ -137,16 +148,17 @@ class ModelRunner:
             drafter = build_drafter(plan, draft_cfg=draft_cfg, target_cfg=self.cfg, catch_up_width=self.max_depth + 1)
             reserves.append(reserve_tokens(plan, drafter))
             self._decode[k] = jax.jit(engine.pinned(_with_slots(_decode_adapter(
-                make_spec_decode_fn(plan, self.cfg, drafter, max_iters=steps_per_call)), drafter)),
+                make_spec_decode_fn(plan, self.cfg, drafter, max_iters=steps_per_call)), drafter), replicated=(0, 1)),
                 donate_argnums=(2, 4))
         self.reserve = max(reserves)
         # Every plan's drafter keeps the same state layout (they differ in draft length only),
         # so one store and one prefill serve all of them. `pinned`: outputs keep the mesh
         # layout, so each executable accepts its own outputs.
         self._drafter = drafter
-        self.num_slots = ecfg.max_batch_size
+        # Slots per store (split pages: per data shard, shard-local ids); `num_slots` is the spare.
+        self.num_slots = self.batch_buckets[-1] // n if engine.split_pages else ecfg.max_batch_size
         self._prefill = jax.jit(engine.pinned(_with_slots(_prefill_adapter(make_chunk_prefill_fn(self.cfg, drafter)),
-                                                          drafter)), donate_argnums=(2, 4))
+                                                          drafter), replicated=(0, 1)), donate_argnums=(2, 4))
         self.store = self._new_store()
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
@@ -160,6 +172,25 @@ class ModelRunner:
 
     def context_bucket(self, num_tokens: int) -> int:
         return bucket_for(num_tokens, self.context_buckets, "context")
+
+    def place(self, shards: Sequence[int], buckets: Sequence[int]) -> list[int | None]:
+        """Split pages: the batch layout for items pinned to `shards` (one per item): a list as
+        long as the smallest bucket that gives every shard room, holding each batch position's
+        item index, or None (a padding row). Shard d's items fill positions d*(b/data) on, in order.
+        One pool: the items in order (the bucket pads them)."""
+        if not self.engine.split_pages:
+            return list(range(len(shards)))
+        n, counts = self.num_shards, [0] * self.num_shards
+        for d in shards:
+            counts[d] += 1
+        b = next((x for x in sorted(buckets) if x // n >= max(counts)), None)
+        if b is None:
+            raise ValueError(f"{max(counts)} rows on one data shard exceed the largest bucket {max(buckets)} / {n}")
+        out, used = [None] * b, [0] * n
+        for i, d in enumerate(shards):
+            out[d * (b // n) + used[d]] = i
+            used[d] += 1
+        return out
 
     def all_keys(self) -> list[tuple]:
         keys = [("prefill", b, c) for b in self.prefill_batches for c in self.chunk_buckets]
@@ -176,9 +207,10 @@ class ModelRunner:
                               stop_ids=jax.ShapeDtypeStruct((b, MAX_STOP_IDS), jnp.int32), max_new=i32)
 
     def _new_store(self):
-        """(draft cache, per-row drafter state [num_slots + 1, ...]); the last row is the padding rows' spare."""
+        """(draft cache, per-row drafter state [num_slots + 1, ...]); the last row is the padding rows' spare.
+        Split pages: [data * (num_slots + 1), ...], split over "data" (each shard its own rows and spare)."""
         e = self.engine
-        rows = row_state(self._drafter.init_state(e.draft_cache, self.num_slots + 1))
+        rows = row_state(self._drafter.init_state(e.draft_cache, (self.num_slots + 1) * self.num_shards))
         return (e.draft_cache, shd.shard_batch(rows, e.mesh))
 
     def _state_struct(self, b: int, ctx: int) -> SpecState:
@@ -214,10 +246,11 @@ class ModelRunner:
                 _, b, c = key
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
                 batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
-                                            self._sampling_struct(b)), e.mesh)
+                                            self._sampling_struct(b)), e.mesh, e.split_pages)
                 return self._prefill.trace(e.params, e.draft_params, self.store, batch[0], e.cache, *batch[1:])
             _, k, b, ctx = key
-            slots, state = shd.abstract_state((self._slots_struct(b), self._state_struct(b, ctx)), e.mesh)
+            slots, state = shd.abstract_state((self._slots_struct(b), self._state_struct(b, ctx)), e.mesh,
+                                              e.split_pages)
             return self._decode[k].trace(e.params, e.draft_params, self.store, slots, state)
 
     def calibrate(self) -> None:
@@ -239,9 +272,9 @@ class ModelRunner:
     def reset_caches(self) -> None:
         """Fresh zeroed caches after a failed call (whose outputs may be poisoned)."""
         e = self.engine
-        e.cache = shd.zeros_cache(e.cache.k.shape, e.cache.k.dtype, e.mesh)
+        e.cache = shd.zeros_cache(e.cache.k.shape, e.cache.k.dtype, e.mesh, e.split_pages)
         if e.draft_cache is not None:
-            e.draft_cache = shd.zeros_cache(e.draft_cache.k.shape, e.draft_cache.k.dtype, e.mesh)
+            e.draft_cache = shd.zeros_cache(e.draft_cache.k.shape, e.draft_cache.k.dtype, e.mesh, e.split_pages)
         self.store = self._new_store()
 
     def _restore(self) -> None:
@@ -260,6 +293,8 @@ class ModelRunner:
         topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         for i, r in enumerate(rows):
+            if r is None:  # a padding row
+                continue
             temp[i], topp[i], topk[i] = r.temperature, r.top_p, r.top_k
             seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), min(r.max_new, 2**31 - 1)
             stop[i, : len(r.stop_ids)] = list(r.stop_ids)[:MAX_STOP_IDS]
@@ -267,21 +302,31 @@ class ModelRunner:
 
     # Each call is split in two: the host inputs of a bucket (plain numpy, so a
     # multi-host leader can broadcast them) and running that bucket on them
-    # (what every process does, `jaxspec.serve.multihost`).
+    # (what every process does, `jaxspec.serve.multihost`). A None row or chunk is
+    # padding (split pages: the scheduler lays rows out by data shard, `place`).
+
+    def _check_shard(self, i: int, b: int, row: RowInput) -> None:
+        if self.engine.split_pages and row.shard is not None and row.shard != i // (b // self.num_shards):
+            raise ValueError(f"batch row {i} of {b} runs on data shard {i // (b // self.num_shards)}, but its "
+                             f"sequence is pinned to shard {row.shard}")
 
     def prefill_inputs(self, chunks: Sequence[tuple[RowInput, int, int]]) -> tuple[tuple, dict]:
         b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
-        c = bucket_for(max(n for _, _, n in chunks), self.chunk_buckets, "prefill chunk")
+        c = bucket_for(max(ch[2] for ch in chunks if ch is not None), self.chunk_buckets, "prefill chunk")
         tokens = np.zeros((b, c), np.int32)
         q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
         table = np.zeros((b, self.max_pages), np.int32)
         slots = np.full((b,), self.num_slots, np.int32)
-        for i, (row, start, n) in enumerate(chunks):
+        for i, chunk in enumerate(chunks):
+            if chunk is None:
+                continue
+            row, start, n = chunk
+            self._check_shard(i, b, row)
             tokens[i, :n] = row.tokens[start: start + n]
             q_start[i], lens[i], slots[i] = start, n, row.slot
             table[i, : len(row.page_row)] = row.page_row
         inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
-                      sampling=self.sampling_inputs([r for r, _, _ in chunks], b))
+                      sampling=self.sampling_inputs([ch and ch[0] for ch in chunks], b))
         return ("prefill", b, c), inputs
 
     def run_prefill(self, key: tuple, inputs: dict) -> np.ndarray:
@@ -299,7 +344,8 @@ class ModelRunner:
             self._restore()
 
     def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
-        """chunks: (row, q_start, chunk_len) each; returns the token sampled at each chunk's end."""
+        """chunks: (row, q_start, chunk_len) each, or None (padding); returns the token sampled at each
+        chunk's end (a padding row's is meaningless)."""
         key, inputs = self.prefill_inputs(chunks)
         return self.run_prefill(key, inputs)[: len(chunks)].tolist()
 
@@ -312,6 +358,9 @@ class ModelRunner:
         table = np.zeros((b, maxp), np.int32)
         done = np.ones((b,), bool)
         for i, r in enumerate(rows):
+            if r is None:
+                continue
+            self._check_shard(i, b, r)
             n = len(r.tokens)
             history[i, :n] = r.tokens
             hist_len[i], prompt_lens[i], slots[i] = n, r.prompt_len, r.slot
@@ -341,7 +390,8 @@ class ModelRunner:
             self._restore()
 
     def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
-        """Up to steps_per_call iterations with draft length k; returns ([RowOutput], iterations run)."""
+        """Up to steps_per_call iterations with draft length k; returns ([RowOutput | None per row], iterations
+        run); a None row (padding) gets None."""
         key, inputs = self.decode_inputs(k, rows, ctx)
         return self.decode_outputs(rows, self.run_decode(key, inputs))
 
@@ -350,6 +400,9 @@ class ModelRunner:
         hist, new_len, done_out, acc, nv = result
         outs = []
         for i, r in enumerate(rows):
+            if r is None:
+                outs.append(None)
+                continue
             n = len(r.tokens)
             outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
                                   accept_lens=acc[i, : nv[i]].tolist()))

@@ -13,6 +13,16 @@ A new request therefore waits at most one decode call before its prefill, and
 a cancelled one returns its pages within one call. The scheduler runs on its
 own thread (`start`); `submit` and `cancel` are thread-safe, and each
 sequence's `on_event` is called on the scheduler thread.
+
+Pages over "data" (the runner's engine has `split_pages`): every data shard
+has its own page pool and batch rows. Admission pins a sequence to one shard
+(the least loaded one whose pool can take it) until it finishes or is
+preempted; its pages come from that shard's pool, its slot from that shard's
+store, and every call lays the batch out so its row lands in that shard's
+slice (`ModelRunner.place`). Admission headroom, preemption victims (only
+rows of the same shard free useful pages) and the request size check are per
+shard. A preempted sequence is recomputed from scratch, so it may come back
+on another shard.
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ class Seq:
     tokens: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # target K/V slots filled so far
     slot: int | None = None  # row of the runner's drafter-state store while prefilling or running
+    shard: int | None = None  # the data shard it is pinned to while prefilling or running (split pages)
     status: Status = Status.WAITING
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -105,8 +116,13 @@ class Scheduler:
         self.adaptive = adaptive
         self.metrics = metrics
         self.fixed_k = max(runner.candidates)
-        # Drafter-state rows (runner.store), one per active sequence: at most max_batch_size.
+        self.num_shards = runner.num_shards if runner.engine.split_pages else 1
+        # Page pools: one per data shard with split pages, else the one allocator.
+        self._pools = self.allocator.pools if self.num_shards > 1 else [self.allocator]
+        # Drafter-state rows (runner.store), one per active sequence: at most max_batch_size
+        # (split pages: runner.num_slots per data shard, shard-local ids).
         self._free_slots = list(range(min(max_batch_size, runner.num_slots)))[::-1]
+        self._shard_slots = [list(range(runner.num_slots))[::-1] for _ in range(self.num_shards)]
         self.waiting: collections.deque[Seq] = collections.deque()
         self.prefilling: list[Seq] = []
         self.running: list[Seq] = []
@@ -126,8 +142,9 @@ class Scheduler:
 
     @property
     def max_sequence_tokens(self) -> int:
-        """Prompt + new tokens one sequence can hold: the context or the whole cache, less the draft scratch."""
-        slots = min(self.engine.max_context, self.allocator.total * self.allocator.page_size)
+        """Prompt + new tokens one sequence can hold: the context or the whole cache (split pages: one data
+        shard's pool), less the draft scratch."""
+        slots = min(self.engine.max_context, self._pools[0].total * self.allocator.page_size)
         return slots - self.runner.reserve
 
     def check(self, prompt_len: int, params: SeqParams) -> str | None:
@@ -136,9 +153,11 @@ class Scheduler:
         if total > self.engine.max_context:
             return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} exceeds the context of "
                     f"{self.engine.max_context - self.runner.reserve} tokens")
-        if self.allocator.pages_for(total) > self.allocator.total:
+        pool = self._pools[0]  # every shard's pool has the same size
+        if pool.pages_for(total) > pool.total:
+            where = "the whole cache has" if self.num_shards == 1 else "a data shard's page pool has"
             return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} needs "
-                    f"{self.allocator.pages_for(total)} KV pages; the whole cache has {self.allocator.total}")
+                    f"{pool.pages_for(total)} KV pages; {where} {pool.total}")
         return None
 
     def submit(self, seq: Seq) -> None:
@@ -217,19 +236,56 @@ class Scheduler:
         cap = len(seq.prompt_ids) + seq.params.max_new_tokens + r.reserve
         return min(max(len(seq.tokens), 1) - 1 + r.steps_per_call * (r.max_depth + 1) + r.reserve, cap)
 
+    # ---- pages and slots per data shard (one shard without split pages) -------------------
+
+    def _slots_of(self, shard: int):
+        return self._free_slots if self.num_shards == 1 else self._shard_slots[shard]
+
+    def _allocate(self, seq: Seq, num_tokens: int) -> None:
+        if self.num_shards == 1:
+            self.allocator.allocate(seq.seq_id, num_tokens)
+        else:
+            self.allocator.allocate(seq.seq_id, num_tokens, seq.shard)
+
+    def _pick_shard(self, need: int, growth: int) -> int | None:
+        """The shard a waiting sequence needing `need` slots joins: a free slot and pages for it with
+        one call of growth left for that shard's running rows; the fewest active rows first (batch
+        buckets follow the fullest shard), then the most free pages. None: no shard can take it now."""
+        active, running = [0] * self.num_shards, [0] * self.num_shards
+        for s in self.prefilling + self.running:
+            active[s.shard] += 1
+        for s in self.running:
+            running[s.shard] += 1
+        best = None
+        for d, pool in enumerate(self._pools):
+            if self.num_shards > 1 and not self._shard_slots[d]:  # one pool: num_active bounds the slots
+                continue
+            # Leave the running rows one call of growth, so an admission is not
+            # undone by a preemption in the same step (prefill work thrown away).
+            if pool.pages_for(need) + growth * running[d] > pool.num_free:
+                continue
+            key = (active[d], -pool.num_free, d)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[2]
+
+    def _layout(self, seqs: list[Seq], buckets) -> list[Seq | None]:
+        """The call's batch rows: with split pages each sequence in its shard's slice (None = padding)."""
+        return [None if i is None else seqs[i] for i in self.runner.place([s.shard for s in seqs], buckets)]
+
     def _admit(self) -> None:
         r = self.runner
-        growth = self.allocator.pages_for(r.steps_per_call * (r.max_depth + 1))
+        growth = self._pools[0].pages_for(r.steps_per_call * (r.max_depth + 1))
         while self.waiting and self.num_active < self.max_batch_size:
             seq = self.waiting[0]
             need = max(self._lookahead(seq), seq.prefill_target + 1)
-            # Leave the running rows one call of growth, so an admission is not
-            # undone by a preemption in the same step (prefill work thrown away).
-            if self.allocator.pages_for(need) + growth * len(self.running) > self.allocator.num_free:
+            shard = self._pick_shard(need, growth)
+            if shard is None:
                 break
-            self.allocator.allocate(seq.seq_id, need)
+            seq.shard = shard
+            self._allocate(seq, need)
             self.waiting.popleft()
-            seq.status, seq.num_cached, seq.slot = Status.PREFILLING, 0, self._free_slots.pop()
+            seq.status, seq.num_cached, seq.slot = Status.PREFILLING, 0, self._slots_of(shard).pop()
             self.prefilling.append(seq)
 
     def _row(self, seq: Seq) -> RowInput:
@@ -238,15 +294,24 @@ class Scheduler:
             tokens=seq.tokens, prompt_len=len(seq.prompt_ids), max_new=p.max_new_tokens,
             page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), slot=seq.slot,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=p.stop_ids,
+            shard=seq.shard if self.num_shards > 1 else None,
         )
 
     def _prefill_step(self) -> None:
         r = self.runner
-        batch = self.prefilling[: max(r.prefill_batches)]
-        chunks = [(self._row(s), s.num_cached, min(r.prefill_chunk, s.prefill_target - s.num_cached)) for s in batch]
+        cap, taken, batch = max(r.prefill_batches) // self.num_shards, [0] * self.num_shards, []
+        for s in self.prefilling:  # oldest first, at most a bucket's rows per shard
+            if taken[s.shard] < cap:
+                taken[s.shard] += 1
+                batch.append(s)
+        layout = self._layout(batch, r.prefill_batches)
+        chunks = [None if s is None else
+                  (self._row(s), s.num_cached, min(r.prefill_chunk, s.prefill_target - s.num_cached)) for s in layout]
         first = r.prefill(chunks)
-        for seq, (_, _, n), tok in zip(batch, chunks, first):
-            seq.num_cached += n
+        for seq, chunk, tok in zip(layout, chunks, first):
+            if seq is None:
+                continue
+            seq.num_cached += chunk[2]
             if seq.num_cached < seq.prefill_target:
                 continue
             self.prefilling.remove(seq)
@@ -264,10 +329,11 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             while seq.status == Status.RUNNING:
                 try:
-                    self.allocator.allocate(seq.seq_id, self._lookahead(seq))
+                    self._allocate(seq, self._lookahead(seq))
                     break
                 except OutOfPagesError:
-                    victims = [s for s in self.running + self.prefilling if s is not seq]
+                    # Only rows of the same data shard hold pages of its pool.
+                    victims = [s for s in self.running + self.prefilling if s is not seq and s.shard == seq.shard]
                     victim = max(victims, key=lambda s: s.arrival) if victims else None
                     if victim is None or victim.arrival < seq.arrival:
                         victim = seq  # the newest gives way
@@ -292,20 +358,23 @@ class Scheduler:
         if not self.running:
             return
         batch = list(self.running)
-        b = next(x for x in r.batch_buckets if x >= len(batch))
+        layout = self._layout(batch, r.batch_buckets)
+        b = next(x for x in r.batch_buckets if x >= len(layout))
         ctx = r.context_bucket(max(self._lookahead(s) for s in batch))  # independent of k: max_depth of all
         k = self.adaptive.choose((b, ctx)) if self.adaptive is not None else self.fixed_k
         t0 = time.perf_counter()
-        outs, iters = r.decode(k, [self._row(s) for s in batch], ctx)
+        outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx)
         seconds = time.perf_counter() - t0
         self.num_decode_calls += 1
-        accept = [a for o in outs for a in o.accept_lens]
+        accept = [a for o in outs if o is not None for a in o.accept_lens]
         if self.adaptive is not None:
             self.adaptive.observe(k, (b, ctx), accept, seconds / iters if iters else None)
         if self.metrics is not None:
             plan = r.plans[k]
             self.metrics.decode_call(k, (b, ctx), accept, plan.num_draft_tokens - 1, plan.max_depth, self.adaptive)
-        for seq, out in zip(batch, outs):
+        for seq, out in zip(layout, outs):
+            if seq is None:
+                continue
             seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
             self._emit(seq, out.tokens, out.done)
 
@@ -334,8 +403,9 @@ class Scheduler:
 
     def _release_slot(self, seq: Seq) -> None:
         if seq.slot is not None:
-            self._free_slots.append(seq.slot)
+            self._slots_of(seq.shard).append(seq.slot)
             seq.slot = None
+        seq.shard = None
 
     def _finish(self, seq: Seq, reason: str, last: Event | None = None) -> None:
         if seq.status == Status.FINISHED:

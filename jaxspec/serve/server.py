@@ -85,8 +85,9 @@ class Server:
         self.scheduler.shutdown()
 
 
-def _num_pages_from_memory(cfg: Config, model_cfg) -> int:
-    """Pages that fit in `kv_memory_fraction` of free device memory (host RAM on CPU)."""
+def _num_pages_from_memory(cfg: Config, model_cfg, data_shards: int = 1) -> int:
+    """Pages that fit in `kv_memory_fraction` of free device memory (host RAM on CPU). With pages
+    split over `data_shards` each accelerator holds 1/data_shards of them (CPU devices share one RAM)."""
     import jax
 
     dev = jax.devices()[0]
@@ -98,6 +99,8 @@ def _num_pages_from_memory(cfg: Config, model_cfg) -> int:
     itemsize = 4 if cfg.model.dtype == "float32" else 2
     per_page = 2 * model_cfg.num_layers * cfg.engine.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     pages = max(2, int(free * cfg.serve.kv_memory_fraction // per_page))
+    if dev.platform != "cpu":
+        pages *= data_shards
     if jax.process_count() > 1:  # every process must build the same cache shape: process 0's count
         from jax.experimental import multihost_utils
 
@@ -125,9 +128,12 @@ def enable_compilation_cache(cfg: Config) -> None:
     jax.config.update("jax_compilation_cache_dir", where or str(cache_root(cfg.model.cache_dir or None) / "xla"))
 
 
-def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -> Server:
+def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
+                 split_pages: bool | None = None) -> Server:
     """Load the model and build the (not yet compiled) serving stack. `model`: a
-    LoadedModel to reuse instead of loading cfg.model.path (tests)."""
+    LoadedModel to reuse instead of loading cfg.model.path (tests). `split_pages`: under a mesh
+    with data > 1, one page pool per data shard (each sequence pinned to a shard) rather than one
+    replicated pool; None = `cfg.serve.split_pages` where the config has it, else on."""
     import jax.numpy as jnp
 
     from jaxspec.engine import Engine
@@ -147,9 +153,12 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
         candidates = s.adaptive_steps
     else:
         candidates = (spec.num_draft_tokens - 1,)
+    if split_pages is None:
+        split_pages = bool(getattr(s, "split_pages", True))
+    data_shards = mesh.shape["data"] if split_pages and mesh is not None else 1
     engine_cfg = cfg.engine
     if s.kv_memory_fraction > 0:
-        pages = _num_pages_from_memory(cfg, _run_config(model.config, mesh))
+        pages = _num_pages_from_memory(cfg, _run_config(model.config, mesh), data_shards)
         engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
     draft = build_draft(dataclasses.replace(cfg, spec=spec), model, dtype, progress)
     corpus = None
@@ -161,10 +170,10 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None) -
         # The engine's own plan is the deepest candidate (page reserve and buffers size to it).
         spec = dataclasses.replace(spec, topk=1, num_draft_tokens=max(candidates) + 1,
                                    num_steps=max(max(candidates), 1))
-    # One replicated page pool: the scheduler moves rows between batch positions, so a row's
-    # pages cannot live on one data shard (`Engine(split_pages=...)`).
+    # Split pages: a page pool per data shard; the scheduler pins each sequence to one
+    # (`Engine(split_pages=...)`, `Scheduler`). Off: one pool, replicated over "data".
     engine = Engine(model.params, model.config, engine_cfg, progress=progress, spec=spec, draft=draft,
-                    ngram_corpus=corpus, mesh=mesh, split_pages=False)
+                    ngram_corpus=corpus, mesh=mesh, split_pages=split_pages)
     runner = ModelRunner(engine, steps_candidates=candidates, steps_per_call=s.steps_per_call,
                          context_buckets=s.context_buckets, prefill_chunk=s.prefill_chunk,
                          max_prefill_batch=s.max_prefill_batch)
