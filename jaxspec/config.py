@@ -106,6 +106,9 @@ class ServeSection:
     max_prefill_batch: int = 2
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
+    # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard
+    # (jaxspec/serve/scheduler.py); false keeps one pool replicated over "data".
+    split_pages: bool = True
     # Draft lengths adaptive speculation picks from (chains; 0 = no speculation).
     # Each is a compiled bucket set, so keep the table short.
     adaptive_steps: tuple[int, ...] = (0, 1, 3)

@@ -13,8 +13,9 @@ Pages over "data" (`split_pages`, the Engine's default under a mesh with data > 
 each data shard owns a slice of the page axis and its own page pool
 (`cache.paged.ShardedPageAllocator`), and the whole prefill / decode function
 runs per data shard (`per_data_shard`), so attention and cache writes gather
-and scatter locally. The server's runner keeps one replicated pool (its rows
-move between batch positions, hence between shards).
+and scatter locally. The server does the same: its scheduler pins each
+sequence to one data shard, whose slice of every batch bucket holds its row
+(`serve.runner.ModelRunner.place`).
 
 Every helper is the identity when `mesh` is None, so single-device code paths
 call them unconditionally.
