@@ -152,6 +152,21 @@ def _attention_kernel(
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
+def check_shapes(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask) -> None:
+    """ValueError naming the first argument whose shape disagrees with q [B, T, H, hd] (shared by the
+    Triton and Mosaic kernels)."""
+    b, t, h, hd = q.shape
+    kvh, hd_k = k_pages.shape[2:]
+    if hd_k != hd or v_pages.shape != k_pages.shape:
+        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} disagree")
+    if h % kvh:
+        raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
+    if page_table.shape[0] != b or q_start.shape != (b,) or kv_len.shape != (b,):
+        raise ValueError("page_table, q_start and kv_len must have the batch size of q")
+    if tree_mask is not None and tree_mask.shape != (b, t, t):
+        raise ValueError(f"tree_mask must be {(b, t, t)}, got {tree_mask.shape}")
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages"),
@@ -175,14 +190,7 @@ def paged_attention_pallas(
     b, t, h, hd = q.shape
     num_pages, page_size, kvh, hd_k = k_pages.shape
     max_pages = page_table.shape[1]
-    if hd_k != hd or v_pages.shape != k_pages.shape:
-        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} disagree")
-    if h % kvh:
-        raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
-    if page_table.shape[0] != b or q_start.shape != (b,) or kv_len.shape != (b,):
-        raise ValueError("page_table, q_start and kv_len must have the batch size of q")
-    if tree_mask is not None and tree_mask.shape != (b, t, t):
-        raise ValueError(f"tree_mask must be {(b, t, t)}, got {tree_mask.shape}")
+    check_shapes(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
     if not interpret and target_platform() == "tpu":
         # The Triton path's ref gathers do not lower on Mosaic TPU (module doc). The
         # fallback is the dispatcher's (jaxspec.cache.attention.paged_attention), so

@@ -61,6 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxspec.pallas.paged_attention import check_shapes
+
 # Same value as the reference: finite, so fully masked key blocks never make NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LANES = 128
@@ -216,14 +218,7 @@ def paged_attention_mosaic(
     b, t, h, hd = q.shape
     num_pages, page_size, kvh, hd_k = k_pages.shape
     max_pages = page_table.shape[1]
-    if hd_k != hd or v_pages.shape != k_pages.shape:
-        raise ValueError(f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} disagree")
-    if h % kvh:
-        raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
-    if page_table.shape[0] != b or q_start.shape != (b,) or kv_len.shape != (b,):
-        raise ValueError("page_table, q_start and kv_len must have the batch size of q")
-    if tree_mask is not None and tree_mask.shape != (b, t, t):
-        raise ValueError(f"tree_mask must be {(b, t, t)}, got {tree_mask.shape}")
+    check_shapes(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)
     group = h // kvh
 
     # 1. Static block sizes: rows padded to a sublane multiple, whole pages per key block.

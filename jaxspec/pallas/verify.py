@@ -273,6 +273,15 @@ def _target_only_kernel(tok_ref, nt_ref, ns_ref, u_ref, th_ref, p_ref, e_ref, ou
     out_ref[max_depth + 2] = bonus
 
 
+def row_thresholds(threshold_single, threshold_acc, b: int) -> jax.Array:  # [B, 2] float32
+    """Target-only thresholds (floats or [B]) as per-row (single, acc) pairs, acc kept above 0
+    (the kernels divide by it); shared by the Triton and Mosaic kernels."""
+    return jnp.stack([
+        jnp.broadcast_to(jnp.asarray(threshold_single, jnp.float32), (b,)),
+        jnp.maximum(jnp.broadcast_to(jnp.asarray(threshold_acc, jnp.float32), (b,)), 1e-9),
+    ], axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("max_depth", "interpret", "vocab_tile"))
 def verify_target_only_pallas(
     tokens: jax.Array,  # [B, N] int32
@@ -294,10 +303,7 @@ def verify_target_only_pallas(
     vocab = target_probs.shape[-1]
     tile = _tile_size(vocab, vocab_tile)
     ints = [x.astype(jnp.int32) for x in (tokens, retrieve_next_token, retrieve_next_sibling)]
-    th = jnp.stack([
-        jnp.broadcast_to(jnp.asarray(threshold_single, jnp.float32), (b,)),
-        jnp.maximum(jnp.broadcast_to(jnp.asarray(threshold_acc, jnp.float32), (b,)), 1e-9),
-    ], axis=1)
+    th = row_thresholds(threshold_single, threshold_acc, b)
     out = pl.pallas_call(
         functools.partial(_target_only_kernel, max_depth=max_depth, vocab=vocab, tile=tile),
         grid=(b,),

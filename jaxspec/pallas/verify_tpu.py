@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxspec.pallas import target_platform
+from jaxspec.pallas.verify import row_thresholds
 from jaxspec.speculative.types import VerifyResult, in_vocab
 
 LANES = 128
@@ -348,10 +349,7 @@ def verify_target_only_tpu(
     b, n = tokens.shape
     vocab = target_probs.shape[-1]
     rows, tile = vocab_layout(vocab, tile_rows)
-    th = jnp.stack([
-        jnp.broadcast_to(jnp.asarray(threshold_single, jnp.float32), (b,)),
-        jnp.maximum(jnp.broadcast_to(jnp.asarray(threshold_acc, jnp.float32), (b,)), 1e-9),
-    ], axis=1).reshape(-1)
+    th = row_thresholds(threshold_single, threshold_acc, b).reshape(-1)
     kernel = functools.partial(_target_only_kernel, n_nodes=n, max_depth=max_depth, vocab=vocab,
                                rows=rows, tile=tile)
     out = pl.pallas_call(
