@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="total_steps")
     p.add_argument("--stop-after", type=int, default=None, help="stop (and checkpoint) at this global step")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--init", default=None, metavar="HEAD_DIR",
+                   help="warm-start from a published-format head (e.g. checkpoints/eagle3-smollm2-135m)")
     p.add_argument("--eval-data", default=None, help="held-out cache / .npz dir: loss and top-1 at each eval")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches to evaluate")
     p.add_argument("--tau-prompts", default=None, help="JSONL prompts: engine τ (greedy) at each eval")
@@ -127,7 +129,8 @@ def run_train(args) -> int:
     heldout, prompts = _eval_inputs(args, cfg, model)
     eval_fn = _tau_eval(cfg, model, prompts, heldout, out, args.tau_max_new) if prompts else None
     res = tr.train(cfg, model, source, out, resume=args.resume, stop_at=args.stop_after, eval_fn=eval_fn,
-                   heldout=heldout, progress=progress)
+                   heldout=heldout, progress=progress,
+                   init=args.init)
     summary = {"step": res.step, "run_dir": str(out), **{k: res.last.get(k) for k in ("loss", "acc", "tokens_per_s")}}
     if res.step == cfg.total_steps:
         summary["head"] = str(out / "head")
@@ -181,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
+    if argv and argv[0] == "campaign":
+        from jaxspec.train.campaign import main as campaign_main
+
+        return campaign_main(argv[1:])
     if argv and argv[0] == "plot":
         p = argparse.ArgumentParser(prog="python -m jaxspec.train plot")
         p.add_argument("run_dir")

@@ -231,13 +231,16 @@ def raw_example(conv: Conversation, tokenizer, max_len: int, stop_ids: Sequence[
 def build_examples(conversations: Sequence[Conversation], tokenizer, *, source: str = "raw", engine=None,
                    max_len: int = 1024, temperature: float = 0.8, seed: int = 0, first_index: int = 0,
                    max_new_tokens: int | None = None, stop_ids: Sequence[int] | None = None,
-                   min_new_tokens: int = 16) -> list[Example]:
+                   min_new_tokens: int = 16, sampled_every: int = 0,
+                   sampled_temperature: float = 0.7) -> list[Example]:
     """Token sequences with assistant loss masks; conversations that cannot fit are skipped.
 
     source "raw": ShareGPT's own responses. "regenerate": the first user turn with the chat template,
     answered by the target through `engine` (a `jaxspec.engine.Engine`; batches of its
     max_batch_size), `Request(temperature, seed=seed + first_index + i)` for conversation i, stopping at
-    `stop_ids` (default: the tokenizer's EOS; pass `jaxspec.generate.stop_token_ids(model)`)."""
+    `stop_ids` (default: the tokenizer's EOS; pass `jaxspec.generate.stop_token_ids(model)`).
+    `sampled_every = n > 0`: every n-th conversation (by its global index) is answered at
+    `sampled_temperature` instead, so that a greedy-regenerated shard also trains sampled acceptance."""
     stops = _stop_ids(tokenizer, stop_ids)
     if source == "raw":
         out = [raw_example(c, tokenizer, max_len, stops) for c in conversations]
@@ -257,7 +260,9 @@ def build_examples(conversations: Sequence[Conversation], tokenizer, *, source: 
             budget = min(budget, max_new_tokens)
         if budget < min(min_new_tokens, max_new_tokens or min_new_tokens):
             continue
-        reqs.append(Request(prompt_ids=ids, max_new_tokens=budget, temperature=float(temperature),
+        g = first_index + i
+        temp = sampled_temperature if sampled_every and g % sampled_every == sampled_every - 1 else temperature
+        reqs.append(Request(prompt_ids=ids, max_new_tokens=budget, temperature=float(temp),
                             seed=(seed + first_index + i) % 2**32, stop_token_ids=stops))
         keep.append(c)
     order = sorted(range(len(reqs)), key=lambda j: len(reqs[j].prompt_ids))  # less padding per batch
@@ -563,8 +568,9 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
                 target: str, request: FeatureRequest, num_conversations: int, max_len: int = 1024,
                 source: str = "raw", temperature: float = 0.8, seed: int = 0, engine=None,
                 shard_conversations: int = 64, batch: int = 8, resume: bool = True, max_shards: int | None = None,
-                progress: bool = False, **example_kw) -> FeatureCache:
-    """Build (or resume) the cache of the first `num_conversations` conversations.
+                progress: bool = False, first_conversation: int = 0, **example_kw) -> FeatureCache:
+    """Build (or resume) the cache of `num_conversations` conversations, from the
+    `first_conversation`-th on (a campaign round takes the conversations after the last round's).
 
     `max_shards` stops after that many new shards (what a killed job leaves). A resumed build checks
     that every setting matches the manifest and skips the conversations already consumed."""
@@ -576,7 +582,11 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
                 "feature_layers": [int(k) for k in request.layers], "hidden_size": cfg.hidden_size,
                 "aux_width": cfg.hidden_size * len(request.layers), "vocab_size": cfg.vocab_size,
                 "max_len": max_len, "source": source, "temperature": float(temperature) if source != "raw" else None,
-                "seed": seed, "shard_conversations": shard_conversations, "num_conversations": num_conversations}
+                "seed": seed, "shard_conversations": shard_conversations, "num_conversations": num_conversations,
+                **({"first_conversation": first_conversation} if first_conversation else {}),
+                **({"sampled_every": example_kw["sampled_every"],
+                    "sampled_temperature": example_kw.get("sampled_temperature", 0.7)}
+                   if example_kw.get("sampled_every") else {})}
     manifest_path = out / "manifest.json"
     if manifest_path.exists() and resume:
         manifest = FeatureCache(out).check(**{k: v for k, v in settings.items() if k != "num_conversations"}).manifest
@@ -584,7 +594,7 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
         manifest = {**settings, "position": 0, "num_examples": 0, "shards": []}
     manifest["num_conversations"] = num_conversations
     it = iter(conversations)
-    for _ in range(manifest["position"]):
+    for _ in range(first_conversation + manifest["position"]):
         next(it, None)
     bar = tqdm(total=num_conversations, initial=manifest["position"], desc="data", unit="conv", disable=not progress)
     new = 0
@@ -594,7 +604,8 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
         if not convs:
             break
         exs = build_examples(convs, tokenizer, source=source, engine=engine, max_len=max_len,
-                             temperature=temperature, seed=seed, first_index=manifest["position"], **example_kw)
+                             temperature=temperature, seed=seed,
+                             first_index=first_conversation + manifest["position"], **example_kw)
         feats = capture_features(model_params, cfg, [e.tokens for e in exs], request, batch=batch, max_len=max_len)
         name = f"shard_{len(manifest['shards']):05d}.npz"
         nbytes = write_shard(out / name, exs, feats)
@@ -603,7 +614,8 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
         manifest["shards"].append({"file": name, "num_examples": len(exs), "bytes": nbytes,
                                    "num_tokens": int(sum(len(e.tokens) for e in exs)),
                                    "loss_tokens": int(sum(e.loss_mask.sum() for e in exs)),
-                                   "conversations": [manifest["position"] - len(convs), manifest["position"]]})
+                                   "conversations": [first_conversation + manifest["position"] - len(convs),
+                                                     first_conversation + manifest["position"]]})
         _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
         bar.update(len(convs))
         bar.set_postfix(examples=manifest["num_examples"])
@@ -621,7 +633,8 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
                  batch: int = 16, progress: bool = True, resume: bool = True, seed: int = 0,
                  heldout_fraction: float = 0.02, sharegpt: str | Path | None = None, model=None,
                  shard_conversations: int = 64, max_new_tokens: int | None = None,
-                 split: str = "train") -> FeatureCache:
+                 split: str = "train", first_conversation: int = 0, sampled_every: int = 0,
+                 sampled_temperature: float = 0.7) -> FeatureCache:
     """The CLI's entry: load the target, build (or resume) the cache of one ShareGPT split
     ('train', or 'heldout' for evaluation sets training never sees) in `out_dir`.
     `feature_request` default: EAGLE-3's layers plus the final-norm state."""
@@ -646,7 +659,9 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
                        num_conversations=num_conversations, max_len=max_len, source=source,
                        temperature=temperature, seed=seed, engine=engine, batch=min(batch, 8), resume=resume,
                        progress=progress, shard_conversations=shard_conversations, stop_ids=stops,
-                       max_new_tokens=max_new_tokens)
+                       max_new_tokens=max_new_tokens, first_conversation=first_conversation,
+                       **({"sampled_every": sampled_every, "sampled_temperature": sampled_temperature}
+                          if sampled_every else {}))
 
 
 # --------------------------------------------------------------------------- #

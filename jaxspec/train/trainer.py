@@ -318,6 +318,49 @@ def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None, head_init: 
     return p
 
 
+def load_init_head(path, hcfg, target_cfg) -> tuple[dict, np.ndarray | None]:
+    """(trainable params, draft ids or None) of a published-format head to warm-start from; a
+    head of another kind or shape than the run's config is an error naming the path and field."""
+    from jaxspec.models.heads.loading import load_draft_head
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--init {path}: no such head directory")
+    head = load_draft_head(path, target_cfg)
+    if head.config.kind != hcfg.kind:
+        raise ConfigValueError(f"--init {path}: a {head.config.kind} head, but the run trains {hcfg.kind}")
+    if tuple(getattr(head.config, "feature_layers", ()) or ()) != tuple(getattr(hcfg, "feature_layers", ()) or ()):
+        raise ConfigValueError(f"--init {path}: the head reads target layers {head.config.feature_layers}, "
+                               f"the run's config {hcfg.feature_layers}")
+    ids = None
+    if hcfg.kind == "eagle3":
+        d2t = np.asarray(head.params["d2t"], np.int64)
+        ids = (np.arange(len(d2t)) + d2t).astype(np.int32)
+    params = {k: v for k, v in trainable(dict(head.params)).items()}
+    return params, ids
+
+
+def _warm_params(fresh: dict, loaded: dict, path) -> dict:
+    """`loaded` cast onto the structure of `fresh` (the run's own init), checked leaf by leaf."""
+    flat_f, tree_f = jax.tree_util.tree_flatten_with_path(fresh)
+    loaded = {k: v for k, v in loaded.items() if k in fresh}
+    flat_l, tree_l = jax.tree_util.tree_flatten_with_path(loaded)
+    if tree_f != tree_l:
+        missing = sorted(set(fresh) - set(loaded))
+        raise ConfigValueError(f"--init {path}: the head's tensors do not match the run's config"
+                               + (f" (missing {', '.join(missing)})" if missing else ""))
+    out = []
+    for (kp, a), (_, b) in zip(flat_f, flat_l):
+        if tuple(a.shape) != tuple(b.shape):
+            raise ConfigValueError(f"--init {path}: {jax.tree_util.keystr(kp)} has shape {tuple(b.shape)}, "
+                                   f"the run's config needs {tuple(a.shape)}")
+        b = np.asarray(b, np.float32)
+        if not np.isfinite(b).all():
+            raise ConfigValueError(f"--init {path}: {jax.tree_util.keystr(kp)} holds NaN or Inf")
+        out.append(jnp.asarray(b, a.dtype))
+    return jax.tree_util.tree_unflatten(tree_f, out)
+
+
 def make_optimizer(cfg: TrainConfig):
     import optax
 
@@ -485,12 +528,15 @@ def _fmt(x) -> Any:
 
 def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, stop_at: int | None = None,
           eval_fn: Callable[[dict], dict] | None = None, heldout: list[dict] | None = None,
-          draft_ids=None, progress: bool = True, export: bool = True) -> TrainResult:
+          draft_ids=None, progress: bool = True, export: bool = True, init=None) -> TrainResult:
     """Train a `cfg.drafter` head for `target` (a LoadedModel: HF params + config) on `source`.
 
     `stop_at`: stop (and checkpoint) once this global step is reached, as an interrupted run would.
     `eval_fn(params) -> dict` (default: held-out loss/top-1 on `heldout` batches, if given) runs
     every eval_every steps and at the end; its values land in that step's log line.
+    `init`: a head directory in its published format (a shipped head): the run starts from its
+    weights (and, for EAGLE-3, its draft vocabulary) instead of a random start. A resumed run's
+    checkpoint wins over it.
     """
     from tqdm.auto import tqdm
 
@@ -501,6 +547,9 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     hcfg = make_head_config(cfg, tcfg)
     check_source(source, target, hcfg)
     vocab_file = run_dir / "draft_vocab.npy"
+    warm = load_init_head(init, hcfg, tcfg) if init is not None else None
+    if warm is not None and warm[1] is not None and draft_ids is None:
+        draft_ids = warm[1]
     if cfg.drafter == "eagle3":
         if draft_ids is None and resume and vocab_file.exists():
             draft_ids = np.load(vocab_file)
@@ -514,6 +563,8 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     shared = shared_target(target, draft_ids)
     tx, sched = make_optimizer(cfg)
     params = init_train_params(hcfg, shared, cfg.seed, draft_ids, cfg.eagle3_head_init)
+    if warm is not None:
+        params = _warm_params(params, warm[0], init)
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.PRNGKey(cfg.seed)}
     meta = {"step": 0, "epoch": 0, "index": 0, "tokens": 0}

@@ -1,0 +1,184 @@
+"""`python -m jaxspec.train campaign`: one round of the EAGLE-3 training campaign.
+
+A round survives fresh machines: everything it needs is in the shipped head's directory
+(`campaign.json`: the rounds so far, where the next round's conversations start, the command
+line), and every step resumes from what a killed round left in `--work`:
+
+1. data: the next `--raw` ShareGPT train-split conversations after the last round's, all turns,
+   ShareGPT's own answers (features of the target over them: the soft labels are the target's own
+   distribution at each position, so raw text costs one prefill per token, no decode), plus the
+   next `--regen` first turns answered by the target (every second one at T = 0.7, so sampled
+   acceptance trains too);
+2. train from the shipped head (`--init`), one epoch of the round's data;
+3. evaluate the candidate and the shipped head side by side on MT-Bench first turns (batch 1,
+   greedy, chain of 3, τ, acceptance per position and the median per-prompt ratio to plain);
+4. ship (bf16, into the head directory, with the curve point appended) only if MT-Bench τ rose.
+
+The caches stay in `--work` (never committed); the shipped head and campaign.json are what lasts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HEAD = Path(__file__).resolve().parents[2] / "checkpoints" / "eagle3-smollm2-135m"
+FIRST_UNUSED = 2432  # conversations the first shipped head saw (regenerated 0..2432, raw 0..1000)
+
+
+def _state(head: Path) -> dict:
+    f = head / "campaign.json"
+    if f.exists():
+        return json.loads(f.read_text())
+    return {"next_conversation": FIRST_UNUSED, "tokens_seen": 760_000, "rounds": []}
+
+
+def _done(marker: Path) -> bool:
+    return marker.exists()
+
+
+def _mark(marker: Path, data: dict | None = None) -> None:
+    marker.write_text(json.dumps(data or {}, indent=1) + "\n")
+
+
+def build_round_data(work: Path, first: int, raw: int, regen: int, heldout: int, model) -> dict:
+    from jaxspec.speculative.types import FeatureRequest
+    from jaxspec.train.data import eagle3_layers, prepare_data
+
+    req = FeatureRequest(eagle3_layers(model.config.num_layers), True)
+    t0 = time.perf_counter()
+    out = {}
+    if raw:
+        c = prepare_data("default", out_dir=work / "raw", num_conversations=raw, source="raw", max_len=512,
+                         batch=8, feature_request=req, model=model, first_conversation=first)
+        out["raw_tokens"] = sum(s["num_tokens"] for s in c.shards)
+    if regen:
+        c = prepare_data("default", out_dir=work / "regen", num_conversations=regen, source="regenerate",
+                         temperature=0.0, sampled_every=2, sampled_temperature=0.7, max_len=384,
+                         max_new_tokens=256, batch=32, feature_request=req, model=model,
+                         first_conversation=first + raw)
+        out["regen_tokens"] = sum(s["num_tokens"] for s in c.shards)
+    prepare_data("default", out_dir=work.parent / "heldout", num_conversations=heldout, source="regenerate",
+                 temperature=0.0, max_len=384, max_new_tokens=256, batch=32, feature_request=req, model=model,
+                 split="heldout")
+    out["data_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def evaluate(model, heads: dict[str, Path], num_prompts: int, max_new: int = 128) -> dict:
+    """MT-Bench first turns, batch 1, greedy, chain of 3: plain and each head in one run."""
+    import jax.numpy as jnp
+
+    from jaxspec.bench.common import chat_ids, median
+    from jaxspec.bench.prompts import mtbench_questions
+    from jaxspec.bench.spec import engine_for, run_engine
+    from jaxspec.config import SpecSection
+    from jaxspec.speculative.drafters.load import load_draft
+
+    prompts = chat_ids(model.tokenizer, mtbench_questions(num_prompts))
+    plain, _ = run_engine(engine_for(model, None), prompts, max_new)
+    out = {"plain_tok_s": round(median(plain), 1)}
+    for name, path in heads.items():
+        kw = dict(algorithm="eagle3", draft_model=str(path), topk=1, num_steps=3, num_draft_tokens=4)
+        draft = load_draft(SpecSection(**kw), model, jnp.float32, progress=False)
+        rates, lens = run_engine(engine_for(model, kw, draft=draft), prompts, max_new)
+        acc = [sum(1 for n in lens if n - 1 >= d) / max(len(lens), 1) for d in (1, 2, 3)]
+        out[name] = {"tau": round(sum(lens) / max(len(lens), 1), 3), "tok_s": round(median(rates), 1),
+                     "vs_plain": round(median([r / p for r, p in zip(rates, plain)]), 3),
+                     "accept_by_position": [round(a, 3) for a in acc]}
+    return out
+
+
+def run_round(args) -> int:
+    from jaxspec.models.loading import load_model
+    from jaxspec.train.__main__ import export_run, main as train_main
+
+    head = Path(args.head)
+    state = _state(head)
+    rnum = len(state["rounds"]) + 1
+    work = Path(args.work) / f"round{rnum}"
+    work.mkdir(parents=True, exist_ok=True)
+    first = state["next_conversation"]
+    model = load_model("default", progress=False)
+    log = lambda msg: print(f"[campaign round {rnum}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    # 1. Data (each cache resumes shard by shard).
+    if not _done(work / "data.done"):
+        log(f"data: conversations {first}.. ({args.raw} raw, {args.regen} regenerated)")
+        _mark(work / "data.done", build_round_data(work, first, args.raw, args.regen, args.heldout, model))
+    data = json.loads((work / "data.done").read_text())
+    log(f"data: {data}")
+
+    # 2. Train from the shipped head: one epoch of the round's data.
+    from jaxspec.train.data import CacheUnion, FeatureCache
+
+    dirs = [str(work / d) for d in ("raw", "regen") if (work / d / "manifest.json").exists()]
+    n_ex = CacheUnion(dirs).num_examples if len(dirs) > 1 else FeatureCache(dirs[0]).num_examples
+    steps = max(1, int(args.epochs * n_ex) // args.batch)
+    run = work / "run"
+    if not _done(work / "train.done"):
+        argv = ["--config", "configs/train/eagle3_smollm2.toml", "--target", "default", "--data", ",".join(dirs),
+                "--out", str(run), "--init", str(head), "--eval-data", str(work.parent / "heldout"),
+                "--eval-batches", "8", "--steps", str(steps), "--set", f"lr={args.lr}",
+                "--set", f"batch_size={args.batch}", "--set", f"ttt_length={args.ttt}",
+                "--set", f"eval_every={max(steps // 4, 1)}", "--set", "warmup_ratio=0.03"]
+        if (run / "train_config.json").exists():
+            argv.append("--resume")
+        log("train: python -m jaxspec.train " + " ".join(argv))
+        rc = train_main(argv)
+        if rc:
+            return rc
+        _mark(work / "train.done", {"argv": argv, "steps": steps})
+    cand = work / "head"
+    if not (cand / "config.json").exists():
+        export_run(run, cand, dtype="bfloat16")
+
+    # 3. Evaluate side by side.
+    if not _done(work / "eval.done"):
+        _mark(work / "eval.done", evaluate(model, {"shipped": head, "candidate": cand}, args.eval_prompts))
+    ev = json.loads((work / "eval.done").read_text())
+    log(f"eval: {ev}")
+
+    # 4. Ship only if MT-Bench τ rose.
+    lines = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln]
+    heldout = [ln["eval"] for ln in lines if "eval" in ln]
+    round_tokens = lines[-1]["tokens"] if lines else 0
+    entry = {"round": rnum, "date": time.strftime("%Y-%m-%d"), "conversations": [first, first + args.raw + args.regen],
+             "data": data, "steps": steps, "round_tokens": round_tokens,
+             "tokens_seen": state["tokens_seen"] + round_tokens, "heldout_last": heldout[-1] if heldout else None,
+             "mtbench": ev, "shipped": ev["candidate"]["tau"] > ev["shipped"]["tau"],
+             "command": "python -m jaxspec.train campaign " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+    if entry["shipped"] and not args.dry_run:
+        for f in cand.iterdir():
+            if f.is_file():
+                shutil.copy2(f, head / f.name)
+        state["tokens_seen"] = entry["tokens_seen"]
+        log(f"shipped: tau {ev['shipped']['tau']} -> {ev['candidate']['tau']}")
+    else:
+        log(f"not shipped: tau {ev['shipped']['tau']} -> {ev['candidate']['tau']}")
+    state["next_conversation"] = first + args.raw + args.regen
+    state["rounds"].append(entry)
+    if not args.dry_run:
+        (head / "campaign.json").write_text(json.dumps(state, indent=1) + "\n")
+    print(json.dumps(entry))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxspec.train campaign", description=__doc__.split("\n\n")[0])
+    p.add_argument("--head", default=str(HEAD), help="the shipped head directory (read, and written on ship)")
+    p.add_argument("--work", default="cache/campaign", help="caches and runs (not committed)")
+    p.add_argument("--raw", type=int, default=2000, help="raw ShareGPT conversations (all turns)")
+    p.add_argument("--regen", type=int, default=256, help="first turns regenerated by the target")
+    p.add_argument("--heldout", type=int, default=64, help="held-out conversations (regenerated, shared)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--ttt", type=int, default=5, help="TTT steps (the chain of 3 and trees of depth 4 use 0..3)")
+    p.add_argument("--eval-prompts", type=int, default=10)
+    p.add_argument("--dry-run", action="store_true", help="never write the head directory")
+    return run_round(p.parse_args(argv))
