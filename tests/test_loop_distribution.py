@@ -26,6 +26,18 @@ SEEDS = 20_000
 BATCH = 500
 
 
+@pytest.fixture(scope="module", autouse=True)
+def small_select_tiers():
+    """The fast top-k/top-p filter's tiers shrunk to this 8-token vocabulary (2, then 4, then the
+    sort), so that the loop runs every branch of it: the default tiers exceed V and would leave
+    only the reference."""
+    from jaxspec.speculative import sampling
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampling, "SELECT_TIERS", (2, 4))
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from jaxspec.models.loading import load_model
@@ -38,9 +50,12 @@ def tiny(tmp_path_factory):
     return load_model(str(path), progress=False), hf
 
 
-def _filtered(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """Reference temperature + top-p (minimal prefix of the sorted probs reaching top_p)."""
+def _filtered(logits: np.ndarray, temperature: float, top_p: float, top_k: int = 0) -> np.ndarray:
+    """Reference temperature, top-k (ties at the cutoff kept), then top-p (minimal prefix of the
+    sorted probs reaching top_p)."""
     z = logits.astype(np.float64) / temperature
+    if 0 < top_k < len(z):
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
     p = np.exp(z - z.max())
     p /= p.sum()
     if top_p < 1.0:
@@ -53,7 +68,7 @@ def _filtered(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarra
     return p
 
 
-def exact_joint(hf, temperature: float, top_p: float) -> np.ndarray:
+def exact_joint(hf, temperature: float, top_p: float, top_k: int = 0) -> np.ndarray:
     """p(t1, t2, t3 | PROMPT) [V, V, V] from the torch model's logits at every prefix."""
     import torch
 
@@ -61,14 +76,14 @@ def exact_joint(hf, temperature: float, top_p: float) -> np.ndarray:
         with torch.no_grad():
             return hf(torch.tensor(seqs)).logits[:, -1].double().numpy()
 
-    p1 = _filtered(last_logits([PROMPT])[0], temperature, top_p)
+    p1 = _filtered(last_logits([PROMPT])[0], temperature, top_p, top_k)
     l2 = last_logits([PROMPT + [a] for a in range(VOCAB)])
     l3 = last_logits([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
     joint = np.zeros((VOCAB,) * 3)
     for a in range(VOCAB):
-        p2 = _filtered(l2[a], temperature, top_p)
+        p2 = _filtered(l2[a], temperature, top_p, top_k)
         for b in range(VOCAB):
-            joint[a, b] = p1[a] * p2[b] * _filtered(l3[a * VOCAB + b], temperature, top_p)
+            joint[a, b] = p1[a] * p2[b] * _filtered(l3[a * VOCAB + b], temperature, top_p, top_k)
     return joint
 
 
@@ -100,9 +115,10 @@ def engine_for(model, spec: SpecSection | None) -> Engine:
     return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft)
 
 
-def first_three(engine: Engine, temperature: float, top_p: float, seeds=range(SEEDS)):
+def first_three(engine: Engine, temperature: float, top_p: float, seeds=range(SEEDS), top_k: int = 0):
     """(tokens [len(seeds), 3], accept lengths of every verify step, flattened)."""
-    reqs = [Request(list(PROMPT), max_new_tokens=3, temperature=temperature, top_p=top_p, seed=s) for s in seeds]
+    reqs = [Request(list(PROMPT), max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=s)
+            for s in seeds]
     out = engine.generate(reqs)
     toks = np.array([r.output_ids for r in out])
     assert toks.shape == (len(reqs), 3)
@@ -134,6 +150,15 @@ def test_loop_samples_the_target_distribution(tiny, name, temperature, top_p):
     assert np.sum(accepts > 1) > 300, f"{name}: only {np.sum(accepts > 1)} steps accepted a draft"
     p = chi_square_p(joint_counts(toks), exact_joint(hf, temperature, top_p))
     assert p > 1e-4, f"{name} at T={temperature}, top_p={top_p}: joint of the first 3 tokens, chi-square p={p:.2e}"
+
+
+@pytest.mark.parametrize("name", ["ngram-chain", "standalone-tree"])
+def test_loop_samples_the_top_k_top_p_distribution(tiny, name):
+    """Top-k and top-p together (the fast filter's tiers and its sort fallback all in play)."""
+    model, hf = tiny
+    toks, _ = first_three(engine_for(model, SPECS[name]), 0.8, 0.9, top_k=5)
+    p = chi_square_p(joint_counts(toks), exact_joint(hf, 0.8, 0.9, top_k=5))
+    assert p > 1e-4, f"{name} at T=0.8, top_k=5, top_p=0.9: chi-square p={p:.2e}"
 
 
 def test_plain_decoding_samples_the_target_distribution(tiny):

@@ -41,11 +41,17 @@ def param_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def jaxspec_tps(engine, prompts, max_new_tokens: int, batch: int, reps: int) -> tuple[float, float]:
+# Sampled rows of the table: what chat traffic sends (the README's example is T 0.8, top-p 0.9).
+SAMPLED = {"T 0.8": dict(temperature=0.8), "T 0.8, top-k 50": dict(temperature=0.8, top_k=50),
+           "T 0.8, top-p 0.9": dict(temperature=0.8, top_p=0.9)}
+
+
+def jaxspec_tps(engine, prompts, max_new_tokens: int, batch: int, reps: int,
+                sampling: dict | None = None) -> tuple[float, float]:
     """Median decode tokens/s and median ms per decode step (per batch step)."""
     from jaxspec.engine import Request
 
-    reqs = [Request(p, max_new_tokens=max_new_tokens) for p in prompts]
+    reqs = [Request(p, max_new_tokens=max_new_tokens, seed=i, **(sampling or {})) for i, p in enumerate(prompts)]
     groups = [reqs[i : i + batch] for i in range(0, len(reqs), batch)]
     engine.generate(groups[0])  # compile + warm
     rates, step_ms = [], []
@@ -131,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: every core this process may use)")
+    p.add_argument("--no-sampled", action="store_true", help="skip the sampled rows (temperature, top-k, top-p)")
     args = p.parse_args(argv)
     load = load_note()
 
@@ -154,6 +161,12 @@ def main(argv=None) -> int:
     n = args.max_new_tokens
     j1, step1 = jaxspec_tps(engine, prompts[: args.batch_one_prompts], n, 1, args.reps)
     j8, step8 = jaxspec_tps(engine, prompts[:8], n, 8, args.reps)
+    sampled_rows = []
+    if not args.no_sampled:  # side by side with greedy, in the same run and engine
+        for label, kw in SAMPLED.items():
+            s1, _ = jaxspec_tps(engine, prompts[: args.batch_one_prompts], n, 1, args.reps, kw)
+            s8, _ = jaxspec_tps(engine, prompts[:8], n, 8, args.reps, kw)
+            sampled_rows.append([label, s1, s1 / j1, s8, s8 / j8])
     x1 = x8 = xs1 = xs8 = float("nan")
     if xla_engine is not None:
         x1, xs1 = jaxspec_tps(xla_engine, prompts[: args.batch_one_prompts], n, 1, args.reps)
@@ -184,6 +197,10 @@ def main(argv=None) -> int:
             [8, j8, h8, j8 / h8, step8, 8 * roofline_tps, f"{100 * j8 / (8 * roofline_tps):.0f}%"],
         ],
     )
+    if sampled_rows:
+        print("\nsampled plain decoding against greedy (same engine, same prompts, one run):")
+        print_table(["sampling", "tok/s batch 1", "vs greedy", "tok/s batch 8", "vs greedy"],
+                    [["greedy", j1, 1.0, j8, 1.0]] + sampled_rows)
     if xla_engine is not None:
         print("\nthe same engine on XLA's own CPU ops (engine.cpu_kernels = xla):")
         print_table(["batch", "tok/s", "ms per step", "native kernels / XLA ops"],

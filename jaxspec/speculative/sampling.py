@@ -132,12 +132,74 @@ def race_sample(
     return argmax_last(weights / exp_noise)
 
 
-def _top_k_top_p_mask(
+# Candidates the fast filter pre-selects per row, in tiers: 64 holds top-k 50 and most top-p
+# nuclei of chat text (measured: 2% of T 0.8 / top-p 0.9 rows exceed 64, 0.3% exceed 256, none
+# 1,024); a wider row sends the batch to the next tier, and only past the last to the sort.
+SELECT_TIERS = (64, 256, 1024)
+
+
+def _cutoff_mask(
+    scaled: Float[Array, "B N V"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    kk: int,
+) -> tuple[Float[Array, "B N V"], jax.Array]:
+    """(the filtered logits, whether every row's kept set fits in its kk largest values)."""
+    vocab = scaled.shape[-1]
+    # 1. The kk largest values of every row, descending: the reference's sorted prefix.
+    vals = jax.lax.top_k(scaled, kk)[0]  # [B, N, kk]
+    rank = jnp.arange(kk, dtype=jnp.int32)
+    k_on = (top_k > 0) & (top_k < vocab)
+    in_top_k = rank < jnp.where(k_on, top_k, vocab)[:, None, None]
+    # 2. The top-p mass: over the top-k set when top-k is on (then it must lie inside the kk
+    #    values), else over the whole vocabulary (normalised by the full logsumexp).
+    probs_k = jax.nn.softmax(jnp.where(in_top_k, vals, -jnp.inf), axis=-1)
+    probs_v = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    probs = jnp.where(k_on[:, None, None], probs_k, probs_v)
+    cum = jnp.cumsum(probs, axis=-1)
+    p = top_p[:, None, None]
+    keep = in_top_k & ((cum - probs < p) | (p >= 1.0))
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
+    cutoff = jnp.take_along_axis(vals, n_keep - 1, axis=-1)
+    # 3. Rows that filter nothing keep everything; the others need their cutoff inside kk.
+    no_filter = ~k_on & (top_p >= 1.0)
+    cutoff = jnp.where(no_filter[:, None, None], -jnp.inf, cutoff)
+    fits = ((k_on & (top_k <= kk)) | no_filter)[:, None] | (~k_on[:, None] & (cum[..., -1] >= top_p[:, None]))
+    return jnp.where(scaled >= cutoff, scaled, -jnp.inf), jnp.all(fits)
+
+
+def top_k_top_p_mask(
+    scaled: Float[Array, "B N V"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    tiers: tuple[int, ...] | None = None,
+) -> Float[Array, "B N V"]:
+    """`top_k_top_p_mask_ref` without the sort: a bounded top-k pre-selection, then the cutoff.
+
+    A full sort of 49,152 logits costs XLA:CPU ~13 ms a row (more than a plain decode step of the
+    embedded model); `lax.top_k` of 64 costs ~0.1 ms. The kept set is a prefix of the sorted
+    order, so if it fits in the first kk values the cutoff read there is the reference's. That
+    holds for every row whose top-k is <= kk, and for a top-p-only row whose first kk tokens
+    already hold mass >= top_p. Otherwise the whole batch tries the next tier, and past the last
+    the reference (`cond`s: only the branch taken runs). `tiers` default: SELECT_TIERS, read when
+    traced (tests on tiny vocabularies set smaller tiers to exercise every branch).
+    """
+    tiers = tuple(t for t in (SELECT_TIERS if tiers is None else tiers) if t < scaled.shape[-1])
+    if not tiers:
+        return top_k_top_p_mask_ref(scaled, top_k, top_p)
+    fast, fits = _cutoff_mask(scaled, top_k, top_p, tiers[0])
+    return jax.lax.cond(fits, lambda: fast, lambda: top_k_top_p_mask(scaled, top_k, top_p, tiers[1:]))
+
+
+def top_k_top_p_mask_ref(
     scaled: Float[Array, "B N V"],
     top_k: Int[Array, "B"],
     top_p: Float[Array, "B"],
 ) -> Float[Array, "B N V"]:
-    """Sets logits outside each request's top-k / top-p set to -inf."""
+    """Sets logits outside each request's top-k / top-p set to -inf.
+
+    THE SPECIFICATION of the filter (a full sort of the vocabulary); `top_k_top_p_mask` is the fast
+    path, tested equal to it."""
     vocab = scaled.shape[-1]
     # 1. Sort values only (descending): the kept set is a prefix of the sorted
     #    order, so a single cutoff value per row describes it; no scatter back.
@@ -180,12 +242,11 @@ def target_probs_from_logits(
     greedy = temperature <= 0.0
     safe_t = jnp.where(greedy, 1.0, temperature)
     scaled = logits / safe_t[:, None, None]
-    # The sort behind top-k/top-p is the expensive part; skip it for batches
-    # where no request filters (the common temperature-only case).
+    # Skip the filter for batches where no request filters (the common temperature-only case).
     needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     scaled = jax.lax.cond(
         needs_filter,
-        lambda s: _top_k_top_p_mask(s, top_k, top_p),
+        lambda s: top_k_top_p_mask(s, top_k, top_p),
         lambda s: s,
         scaled,
     )
