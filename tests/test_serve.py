@@ -123,6 +123,26 @@ def test_seeded_sampling_is_reproducible_and_n_gives_n_choices(served):
     assert a.usage.completion_tokens == 36
 
 
+def test_identical_prompts_of_one_request_sample_independently(served):
+    """Issue 23 item 2: every prompt of a /v1/completions request drew the same coins (seed + j).
+    Same-request pairs must agree no more often than pairs from different requests (Fisher's
+    exact test over repeats; top-k 3 keeps agreement by chance near 1/3, shared noise makes it 1)."""
+    from scipy import stats
+
+    server, url = served
+    c = client(url)
+    kw = dict(model=server.model_name, prompt=["Pick one:", "Pick one:"], max_tokens=1, temperature=1.0,
+              extra_body={"top_k": 3})
+    firsts = [[ch.text for ch in sorted(c.completions.create(**kw).choices, key=lambda x: x.index)]
+              for _ in range(30)]
+    same = sum(a == b for a, b in firsts)
+    cross = sum(firsts[r][0] == firsts[r + 1][1] for r in range(len(firsts) - 1))
+    n_same, n_cross = len(firsts), len(firsts) - 1
+    p = stats.fisher_exact([[same, n_same - same], [cross, n_cross - cross]], alternative="greater").pvalue
+    assert p > 1e-3, f"identical prompts agreed {same}/{n_same} times in one request, {cross}/{n_cross} across"
+    assert same < n_same  # shared noise agrees every time
+
+
 def test_stop_string_cuts_the_text_in_both_modes(served, reference):
     server, url = served
     c = client(url)

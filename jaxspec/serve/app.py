@@ -169,7 +169,9 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
             for i, ids in enumerate(parsed.prompts):
                 for j in range(p.n):
                     index = i * p.n + j
-                    seqs.append(server.submit(ids, p, base_seed + j, stream.callback(index), param_name))
+                    # One seed per (prompt, choice): identical prompts of one request sample independently,
+                    # and choice j of prompt 0 keeps seed + j (the documented n-choices rule).
+                    seqs.append(server.submit(ids, p, (base_seed + index) % 2**32, stream.callback(index), param_name))
         except APIError:
             for s in seqs:
                 server.scheduler.cancel(s)

@@ -214,6 +214,30 @@ def plan_budgets(surv: Float[Array, "B G"], live: Bool[Array, " B"], table_token
     return plan_verify(surv, live, table_tokens, table_sps)[0]
 
 
+def plan_row_budgets(surv: Float[Array, "B G"], live: Bool[Array, " B"], sampled: Bool[Array, " B"],
+                     table_tokens: Int[Array, " K"], table_sps: Float[Array, " K"], *,
+                     sequential: bool = True) -> Int[Array, " B"]:
+    """Budgets [B] that keep sampled rows exact.
+
+    Greedy rows (deterministic drafts: any budget rule is exact) take the batch plan over all
+    their survivals. A sampled row may not: its c_{d+1} reads the Markov bias of the sampled x_d,
+    so a plan over all survivals decides whether x_d is verified from x_d itself, and given that
+    it is verified x_d is no longer distributed as q_d: rejection would not reproduce p
+    (docs/semantics.md). A sampled row keeps draft d only if the plan over the first d survivals
+    of every row (which read x_1..x_{d-1} only, fixed before x_d is drawn) gives it >= d, and it
+    kept every draft before d. `sequential=False` is the old joint rule (the tests' control).
+    """
+    joint = plan_budgets(surv, live, table_tokens, table_sps)
+    if not sequential:
+        return joint
+    keep = jnp.ones(surv.shape[:1], bool)
+    prefix = jnp.zeros_like(joint)
+    for d in range(1, surv.shape[1] + 1):
+        keep = keep & (plan_budgets(surv[:, :d], live, table_tokens, table_sps) >= d)
+        prefix = prefix + keep.astype(prefix.dtype)
+    return jnp.where(sampled, prefix, joint)
+
+
 # ---- confidence calibration (per-position temperature scaling) ------------------------------------------
 
 def calibrate(conf_logits: Float[Array, "B G"], temperature: Float[Array, " G"]) -> Float[Array, "B G"]:

@@ -28,6 +28,7 @@ masked, never recompiled.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,9 @@ class BlockDrafter(DrafterBase):
     sps_table: tuple[tuple[int, ...], tuple[float, ...]] | None = None
 
     shares_target = ("embed", "head")
+    # Sampled rows plan depth by depth (exact); False restores the joint plan that biased them,
+    # kept only as the distribution tests' positive control.
+    sequential_sampled_plan: typing.ClassVar[bool] = True
 
     def __post_init__(self):
         if self.num_draft_tokens < 2:
@@ -195,15 +199,19 @@ class BlockDrafter(DrafterBase):
             prev = tok
         prop = chain_proposal(root, drafts, qs, self.sample_drafts, state)
         if hc.confidence and self.sps_table is not None:
-            prop = prop._replace(tokens=self._plan(params, h, jnp.stack(odds, 1), prop.tokens, s.done))
+            prop = prop._replace(tokens=self._plan(params, h, jnp.stack(odds, 1), prop.tokens, s.done,
+                                                   (s.sampling.temperature > 0) if self.sample_drafts
+                                                   else jnp.zeros_like(s.done)))
         return prop
 
-    def _plan(self, params, h, odds, tokens, done):
-        from jaxspec.speculative.planner import plan_budgets, survival
+    def _plan(self, params, h, odds, tokens, done, sampled):
+        """Tokens [B, N] with the drafts past each row's budget (`plan_row_budgets`) set to -1."""
+        from jaxspec.speculative.planner import plan_row_budgets, survival
 
         conf = jax.nn.sigmoid(confidence_logit(params["own"], h, odds))  # [B, N-1]
         t_tok = jnp.asarray(self.sps_table[0], jnp.int32)
         t_sps = jnp.asarray(self.sps_table[1], jnp.float32)
-        budget = plan_budgets(survival(conf), ~done, t_tok, t_sps)  # [B] drafts kept
+        budget = plan_row_budgets(survival(conf), ~done, sampled, t_tok, t_sps,
+                                  sequential=self.sequential_sampled_plan)
         d = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         return jnp.where((d == 0) | (d <= budget[:, None]), tokens, -1)
