@@ -232,6 +232,20 @@ def test_eagle3_d2t_out_of_range_is_named(tmp_path, target):
         load_draft_head(d, tcfg)
 
 
+def test_eagle3_d2t_not_injective_is_refused(tmp_path, target):
+    """Two draft ids on one target id would drop q mass in `.at[:, d2t].set(q)`: lossy rejection."""
+    _, model, tcfg = target
+    d = write_eagle3_head(tmp_path / "e3", model, draft_vocab_size=64)
+    assert load_draft_head(d, tcfg).config.kind == "eagle3"  # positive control
+    t = np_load(str(d / "model.safetensors"))
+    ids = np.arange(64) + t["d2t"]
+    t["d2t"] = t["d2t"].copy()
+    t["d2t"][6] = ids[5] - 6  # draft id 6 -> the target id of draft id 5
+    np_save(t, str(d / "model.safetensors"))
+    with pytest.raises(LoadError, match=rf"several draft ids to one target id \(target ids \[{ids[5]}\]\)"):
+        load_draft_head(d, tcfg)
+
+
 def test_aux_layer_conventions_and_range(tmp_path, target):
     _, model, tcfg = target
     for conv in ("output", "input"):
@@ -485,3 +499,32 @@ def test_native_params_give_the_same_logits(tmp_path, target):
     x = jnp.asarray(h[:, 0])
     close(medusa_logits(prepare_head_params(med.params, med.config, native=True), med.config, shared_of(model), x),
           medusa_logits(prepare_head_params(med.params, med.config), med.config, shared_of(model), x), "medusa native")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "nan", "inf"])
+def test_damaged_head_files_are_one_clear_error(tmp_path, target, damage):
+    """Issue 23: a truncated or header-corrupted safetensors gave a SafetensorError traceback, and
+    NaN / Inf weights loaded silently. Each is a LoadError naming the file."""
+    _, model, tcfg = target
+    d = write_eagle3_head(tmp_path / "e3", model, draft_vocab_size=64)
+    assert load_draft_head(d, tcfg).config.kind == "eagle3"  # positive control
+    f = d / "model.safetensors"
+    if damage in ("nan", "inf"):
+        t = np_load(str(f))
+        t["fc.weight"] = t["fc.weight"].copy()
+        t["fc.weight"][0, 3] = np.nan if damage == "nan" else np.inf
+        np_save(t, str(f))
+        match = r"tensor 'fc.weight' holds NaN or Inf"
+    else:
+        raw = f.read_bytes()
+        f.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else b"\xff" * 16 + raw[16:])
+        match = "truncated or corrupted|not a readable safetensors file"
+    with pytest.raises(LoadError, match=match) as e:
+        load_draft_head(d, tcfg)
+    assert str(f) in str(e.value)
+
+
+def test_missing_head_directory_says_it_does_not_exist(tmp_path, target):
+    _, _, tcfg = target
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_draft_head(tmp_path / "nonexistent", tcfg)

@@ -326,6 +326,37 @@ def test_plugin_drafter_decodes_exactly_through_the_cli(repeat_plugin, tiny_dirs
         assert sum(line["accept_lengths"]) >= 15
 
 
+@dataclasses.dataclass(frozen=True)
+class UndeclaredQDrafter(RepeatDrafter):
+    """Returns a q with its drafts but declares provides_draft_probs False (the default)."""
+
+    def propose(self, params, state, s):
+        prop = super().propose(params, state, s)
+        q = jax.nn.one_hot(prop.tokens, 256, dtype=jnp.float32)
+        return prop._replace(draft_probs=q)
+
+
+@dataclasses.dataclass(frozen=True)
+class MissingQDrafter(RepeatDrafter):
+    """Declares provides_draft_probs but returns no q."""
+
+    provides_draft_probs = True
+
+
+@pytest.mark.parametrize("cls, match", [(UndeclaredQDrafter, "does not declare provides_draft_probs"),
+                                        (MissingQDrafter, "declares provides_draft_probs but")])
+def test_provides_draft_probs_is_enforced(llama, cls, match):
+    model, _ = llama
+    name = A.register("contract", A.AlgorithmInfo(drafts_in_steps=False), lambda plan, **_: cls(plan))
+    try:
+        with pytest.raises(ValueError, match=match):
+            engine = Engine(model.params, model.config, ECFG, progress=False,
+                            spec=SpecSection(algorithm=name, num_draft_tokens=3))
+            engine.generate([Request([5, 6, 7], max_new_tokens=4, temperature=1.0, seed=1)])
+    finally:
+        A.unregister(name)
+
+
 def test_plugin_without_factory_is_a_clear_error(llama):
     model, _ = llama
     name = A.register("nofactory", A.AlgorithmInfo(drafts_in_steps=False))

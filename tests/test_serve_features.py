@@ -126,6 +126,29 @@ def test_block_drafter_through_preemption_is_exact(world, tmp_path, alg):
     assert sum(s.num_preemptions for s in seqs) > 0
 
 
+def test_block_drafter_serves_with_the_default_adaptive_policy(world, tmp_path):
+    """Issue 23: `serve --spec dspark` exited at start-up under the default adaptive steps (its
+    k = 0 plan asked the block drafter for one token). Built with the defaults, the policy pinned
+    to switch between k = 0 and k > 0 mid-request, answers equal plain greedy."""
+    from tests.test_block_drafters import falling_table
+
+    extra = {"spec.algorithm": "dspark", "spec.draft_model": str(world["dspark"]),
+             "spec.sps_table": str(falling_table(tmp_path / "sps.json"))}
+    server = build_server(config(world["path"], **extra), model=world["model"], progress=False)
+    sched = server.scheduler
+    assert sched.adaptive is not None and 0 in server.runner.candidates and max(server.runner.candidates) > 1
+    schedule, used = [0, max(server.runner.candidates), 0, 0, 1], []
+
+    def choose(bucket):
+        used.append(schedule[len(used) % len(schedule)])
+        return used[-1]
+
+    sched.adaptive.choose = choose
+    got, _ = run_all(server, PROMPTS, NEW)
+    assert got == world["reference"]
+    assert len(used) > len(schedule)
+
+
 def test_adaptive_k0_calls_keep_the_drafter_state(world):
     """serve.adaptive with draft lengths (0, 1, 3); the policy is pinned to a schedule with
     runs of k = 0 calls between k > 0 ones, so a k > 0 call always follows k = 0 calls."""

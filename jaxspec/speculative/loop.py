@@ -29,7 +29,7 @@ from jaxspec.pallas import use_kernel
 from jaxspec.speculative.commit import commit_accepted_kv
 from jaxspec.speculative.sampling import argmax_last, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
-from jaxspec.speculative.types import Committed, FeatureRequest
+from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest
 from jaxspec.speculative.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
 
 
@@ -154,6 +154,16 @@ def _simulate(plan: SpecPlan, result, logits):
 def draft_phase(plan: SpecPlan, drafter, draft_params, s: SpecState):
     """1. Draft: (tokens [B,N], parents [B,N] | None, draft_probs [B,N,V] | None, drafter state)."""
     tokens, parents, draft_probs, draft_state = drafter.propose(draft_params, s.draft, s)
+    # The declaration is the contract (checked when traced, so at compile time): the verifier
+    # trusts draft_probs as the q each draft was drawn from, and one-hot verifies the rest.
+    declared = bool(getattr(drafter, "provides_draft_probs", False))
+    name = type(drafter).__name__
+    if draft_probs is not None and not declared:
+        raise DrafterContractError(f"drafter {name}: propose returned draft probabilities but the drafter does "
+                                   "not declare provides_draft_probs = True")
+    if draft_probs is None and declared and tokens.shape[1] > 1:
+        raise DrafterContractError(f"drafter {name} declares provides_draft_probs but propose returned no draft "
+                                   "probabilities (the q each draft was sampled from)")
     if plan.simulate_accept_length:
         tokens = jnp.maximum(tokens, 0)  # every node is real, so the forced path exists
     return tokens, parents, draft_probs, draft_state

@@ -199,3 +199,7 @@ def in_vocab(tokens: Int[Array, "..."], vocab: int) -> Bool[Array, "..."]:
     probability for it, so without this test it could be accepted and emitted.
     """
     return (tokens >= 0) & (tokens < vocab)
+
+
+class DrafterContractError(ValueError):
+    """A drafter whose `propose` output contradicts what it declares (protocol.py)."""

@@ -58,16 +58,26 @@ class _Tensors:
         if name not in self.files:
             raise LoadError(f"draft head checkpoint {self.where} is missing tensor {name!r}")
         file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="numpy")
-        got = tuple(self._handles[file].get_slice(name).get_shape())
-        if shape is not None and got != tuple(shape):
-            raise LoadError(f"tensor {name!r} in {self.where} has shape {list(got)}, the head expects {list(shape)}"
-                            " (draft head and target disagree)")
-        return self._handles[file].get_tensor(name)
+        try:
+            if file not in self._handles:
+                self._handles[file] = safe_open(str(file), framework="numpy")
+            got = tuple(self._handles[file].get_slice(name).get_shape())
+            if shape is not None and got != tuple(shape):
+                raise LoadError(f"tensor {name!r} in {self.where} has shape {list(got)}, the head expects "
+                                f"{list(shape)} (draft head and target disagree)")
+            return self._handles[file].get_tensor(name)
+        except LoadError:
+            raise
+        except Exception as e:  # safetensors' own errors: a truncated or corrupted file
+            raise LoadError(f"draft head file {file}: cannot read tensor {name!r} ({type(e).__name__}: {e}); "
+                            "the file is truncated or corrupted") from None
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> jnp.ndarray:
-        return jnp.asarray(self.raw(name, shape).astype(self.dtype, copy=False))
+        x = self.raw(name, shape)
+        if x.dtype.kind == "f" or x.dtype.name == "bfloat16":
+            if not np.isfinite(np.asarray(x, np.float32)).all():
+                raise LoadError(f"draft head file {self.files[name]}: tensor {name!r} holds NaN or Inf")
+        return jnp.asarray(x.astype(self.dtype, copy=False))
 
 
 def _head_files(path: Path) -> dict[str, Path]:
@@ -75,9 +85,12 @@ def _head_files(path: Path) -> dict[str, Path]:
     for f in sorted(path.glob("*.safetensors")):
         from safetensors import safe_open
 
-        with safe_open(str(f), framework="numpy") as h:
-            for name in h.keys():
-                files.setdefault(name, f)
+        try:
+            with safe_open(str(f), framework="numpy") as h:
+                for name in h.keys():
+                    files.setdefault(name, f)
+        except Exception as e:  # a truncated file or a corrupted header
+            raise LoadError(f"draft head file {f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     if not files:
         other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         hint = f" (found {other}: convert them to safetensors; torch files are not read)" if other else ""
@@ -94,6 +107,11 @@ def _strip_prefix(files: dict[str, Path], prefix: str) -> dict[str, Path]:
 
 
 def _read_config(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"draft head directory {path} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"draft head {path} is not a directory (a head is a directory with config.json and "
+                          "*.safetensors)")
     try:
         return json.loads((path / "config.json").read_text())
     except FileNotFoundError:
@@ -162,6 +180,11 @@ def _load_eagle3(t: _Tensors, hcfg: HeadConfig, target: ModelConfig) -> tuple[He
         if bad.size:
             raise LoadError(f"EAGLE-3 d2t maps draft ids {bad[:4].tolist()} to target ids {ids[bad[:4]].tolist()} "
                             f"outside the target vocabulary [0, {v})")
+        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        if (counts > 1).any():  # two draft ids on one target id would drop q mass: lossy rejection
+            dup = uniq[counts > 1][:4]
+            raise LoadError(f"EAGLE-3 d2t maps several draft ids to one target id (target ids {dup.tolist()}); "
+                            "the map must be injective")
         params["d2t"] = jnp.asarray(d2t.astype(np.int32))
     elif dv != v:
         t.raw("d2t")  # a reduced vocabulary without its map cannot be used

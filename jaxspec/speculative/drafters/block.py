@@ -111,8 +111,8 @@ class BlockDrafter(DrafterBase):
     sequential_sampled_plan: typing.ClassVar[bool] = True
 
     def __post_init__(self):
-        if self.num_draft_tokens < 2:
-            raise ValueError("a block drafter needs num_draft_tokens >= 2")
+        if self.num_draft_tokens < 1:  # 1: the k = 0 plan (plain decoding) of the adaptive policy
+            raise ValueError("a block drafter needs num_draft_tokens >= 1")
         if self.head.kind == "dspark" and self.head.markov_rank <= 0:
             raise ValueError("a dspark head needs a Markov head (markov_rank > 0)")
         most = self.head.block_size + output_offset(self.head)  # dflash: block_size; dspark: gamma + 1
@@ -182,6 +182,8 @@ class BlockDrafter(DrafterBase):
     def propose(self, params, state: BlockState, s) -> Proposal:
         hc = self.head
         root = jnp.take_along_axis(s.history, jnp.maximum(s.hist_len - 1, 0)[:, None], axis=1)[:, 0]
+        if self.num_draft_tokens == 1:  # k = 0: no block forward; `observe` still keeps the context
+            return chain_proposal(root, [], [], self.sample_drafts, state)
         r = jnp.maximum(s.hist_len - 1, 1)
         off = output_offset(hc)
         h = self.hidden(params, state, root, r, s.page_table)
