@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import secrets
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -279,6 +280,9 @@ class LLM:
         from jaxspec.models.loading import load_model
         from jaxspec.speculative.algorithm import validate_spec_config
 
+        # One engine, donated caches: calls from several threads run one at a time (docs/api.md).
+        self._lock = threading.Lock()
+
         spec = validate_spec_config(cfg.spec, benchmark=benchmark)  # before minutes of loading
         mesh = resolve_mesh(mesh)
         dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
@@ -404,6 +408,10 @@ class LLM:
 
     def _generate(self, prompts: Any, sampling, label: str) -> list[RequestOutput]:
         items, ids, params, requests, owners = self._requests(prompts, sampling, label)
+        with self._lock:
+            return self._run(items, ids, params, requests, owners)
+
+    def _run(self, items, ids, params, requests, owners) -> list[RequestOutput]:
         results = self.engine.generate(requests)
         t = self.engine.last_timing
         for k in ("prefill_s", "decode_s", "new_tokens"):

@@ -143,12 +143,20 @@ def config_from_args(args, *, base=None, extra_keys: dict[str, str] | None = Non
     return load_config(args.config, overrides, base=base)
 
 
+INPUT_FIELDS = frozenset({"messages", "prompt", "prompt_ids", "_where"})
+
+
 def line_sampling(entry: dict, s, i: int):
     """The SamplingParams of input line i: its own max_new_tokens, temperature, top_p, top_k and
     seed over the [sampling] defaults (request i's seed is seed+i). PromptError naming the line."""
     from jaxspec.prompts import PromptError
     from jaxspec.sampling_params import ENGINE_FIELDS, SamplingError, SamplingParams, check_value
 
+    where = entry.get('_where', f'prompt {i}')
+    unknown = sorted(k for k in entry if k not in INPUT_FIELDS and k not in ENGINE_FIELDS)
+    if unknown and INPUT_FIELDS & set(entry) - {"_where"}:  # (no prompt at all: encode_entry says so) a field that would be silently ignored (say repetition_penalty) changes the output unseen
+        raise PromptError(f"{where}: unknown field {unknown[0]!r}; an input line may hold "
+                          f"{', '.join(sorted(INPUT_FIELDS - {'_where'}) + list(ENGINE_FIELDS))}")
     values = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
               "top_k": s.top_k, "seed": (s.seed + i) % 2**32}
     for key, field in ENGINE_FIELDS.items():
@@ -156,7 +164,7 @@ def line_sampling(entry: dict, s, i: int):
             try:
                 values[key] = check_value(field, entry[key], key)
             except SamplingError as e:
-                raise PromptError(f"{entry.get('_where', f'prompt {i}')}: {e}") from None
+                raise PromptError(f"{where}: {e}") from None
     return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos, **values)
 
 

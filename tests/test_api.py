@@ -93,6 +93,30 @@ def test_ngram_greedy_equals_plain_and_keeps_the_speculative_record(plain, ngram
     assert plain.spec_stats()["time_split"] is None and plain.spec_stats()["tau"] is None
 
 
+def test_generate_from_two_threads_is_serialised_and_exact(tiny):
+    """Issue 23: two threads on one speculative LLM crashed one call ('Buffer has been deleted or
+    donated'). Calls are serialised: both return, each equal to its single-threaded answer."""
+    import threading
+
+    llm = jaxspec.LLM(tiny[2], spec="ngram", num_draft_tokens=4, **OPTS)
+    want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    got, errors = {}, []
+
+    def work(k):
+        try:
+            got[k] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        except Exception as e:  # noqa: BLE001 (the failure under test)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(v == want for v in got.values()) and len(got) == 3
+
+
 def test_seeded_sampling_reproduces_and_n_gives_n_outputs(plain):
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=7, ignore_eos=True)
     first = plain.generate(PROMPTS[0], sp)[0]

@@ -47,6 +47,8 @@ def one_line_error(code: int, err: str) -> str:
         ([], {"max_new_tokens": True}, "max_new_tokens must be an integer >= 1, got true"),
         ([], {"seed": 2**40}, "seed must be an integer in [0, 2^32)"),
         ([], {"seed": "7"}, "seed must be an integer in [0, 2^32)"),
+        # Issue 23: ignored silently, it ran with no penalty and no word.
+        ([], {"repetition_penalty": 1.3}, "p.jsonl:1: unknown field 'repetition_penalty'"),
     ],
 )
 def test_bad_cli_input_is_one_line_error(tiny_dirs, tmp_path, capsys, flags, line, message):
