@@ -280,8 +280,11 @@ class LLM:
         from jaxspec.models.loading import load_model
         from jaxspec.speculative.algorithm import validate_spec_config
 
+        from jaxspec.paths import enable_compilation_cache
+
         # One engine, donated caches: calls from several threads run one at a time (docs/api.md).
         self._lock = threading.Lock()
+        enable_compilation_cache(cfg.serve.compilation_cache, cfg.model.cache_dir or None)
 
         spec = validate_spec_config(cfg.spec, benchmark=benchmark)  # before minutes of loading
         mesh = resolve_mesh(mesh)

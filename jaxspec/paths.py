@@ -53,3 +53,17 @@ def default_sps_table(platform: str) -> Path | None:
         return None
     path = Path(__file__).resolve().parents[1] / "configs" / "sps" / name
     return path if path.is_file() else None
+
+
+def enable_compilation_cache(where: str = "", cache_dir: str | Path | None = None) -> None:
+    """XLA's persistent compilation cache, on by default for the CLI, the API and the server: a
+    second start of the same configuration loads its programs instead of compiling them.
+    `where`: "" = <cache root>/xla, "off" = disabled; a directory set already (JAX_COMPILATION_CACHE_DIR
+    or the caller) wins."""
+    import jax
+
+    if where == "off" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", where or str(cache_root(cache_dir) / "xla"))
+    # Every bucket counts: the default skips programs compiled in under a second.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

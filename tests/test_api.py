@@ -249,3 +249,19 @@ def test_bad_prompts_and_calls_name_what_is_wrong(plain):
         with pytest.raises(ValueError, match=message):
             call()
     assert plain.generate(PROMPTS[0], GREEDY)[0].finish_reason == "length"  # still serving
+
+
+def test_the_persistent_compilation_cache_is_on_by_default(monkeypatch, tmp_path):
+    """Issue 23 (start-up time): the CLI and the API share LLM._setup, which turns JAX's
+    persistent compilation cache on under the cache root; "off" and a directory set already win."""
+    import jax
+
+    from jaxspec.paths import enable_compilation_cache
+
+    monkeypatch.setattr(jax.config, "jax_compilation_cache_dir", None, raising=False)
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
+    enable_compilation_cache("off", tmp_path)
+    assert calls == []
+    enable_compilation_cache("", tmp_path)
+    assert ("jax_compilation_cache_dir", str(tmp_path / "xla")) in calls

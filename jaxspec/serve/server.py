@@ -118,14 +118,9 @@ def _run_config(model_cfg, mesh):
 
 
 def enable_compilation_cache(cfg: Config) -> None:
-    import jax
+    from jaxspec.paths import enable_compilation_cache as enable
 
-    from jaxspec.paths import cache_root
-
-    where = cfg.serve.compilation_cache
-    if where == "off" or jax.config.jax_compilation_cache_dir:  # already set (env or caller) wins
-        return
-    jax.config.update("jax_compilation_cache_dir", where or str(cache_root(cfg.model.cache_dir or None) / "xla"))
+    enable(cfg.serve.compilation_cache, cfg.model.cache_dir or None)
 
 
 def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
