@@ -251,17 +251,23 @@ def test_bad_prompts_and_calls_name_what_is_wrong(plain):
     assert plain.generate(PROMPTS[0], GREEDY)[0].finish_reason == "length"  # still serving
 
 
-def test_the_persistent_compilation_cache_is_on_by_default(monkeypatch, tmp_path):
+def test_the_persistent_compilation_cache_is_on_by_default(tmp_path):
     """Issue 23 (start-up time): the CLI and the API share LLM._setup, which turns JAX's
-    persistent compilation cache on under the cache root; "off" and a directory set already win."""
-    import jax
+    persistent compilation cache on under the cache root; "off" and a directory set already win.
+    In a subprocess: jax.config is process-wide."""
+    import os
+    import subprocess
+    import sys
 
-    from jaxspec.paths import enable_compilation_cache
+    code = ("import sys, jax; from jaxspec.paths import enable_compilation_cache as e; "
+            "e(sys.argv[1], sys.argv[2]); print(jax.config.jax_compilation_cache_dir)")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
 
-    monkeypatch.setattr(jax.config, "jax_compilation_cache_dir", None, raising=False)
-    calls = []
-    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
-    enable_compilation_cache("off", tmp_path)
-    assert calls == []
-    enable_compilation_cache("", tmp_path)
-    assert ("jax_compilation_cache_dir", str(tmp_path / "xla")) in calls
+    def run(where, extra=None):
+        out = subprocess.run([sys.executable, "-c", code, where, str(tmp_path)], env={**env, **(extra or {})},
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    assert run("") == str(tmp_path / "xla")
+    assert run("off") == "None"
+    assert run("", {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine")}) == str(tmp_path / "mine")
