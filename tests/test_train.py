@@ -260,6 +260,33 @@ def test_resume_refuses_a_changed_config(world):
                  progress=False)
 
 
+def test_resume_of_a_missing_run_is_an_error(world, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no training run there"):
+        tr.train(small(total_steps=2), world["model"], world["train"], tmp_path / "absent", resume=True,
+                 progress=False)
+
+
+def test_init_warm_starts_from_an_exported_head(world):
+    """--init: a run starts from a published-format head's weights and draft vocabulary (the
+    campaign trains each round from the shipped head); another kind is refused."""
+    run = world["tmp"].mktemp("base")
+    cfg = small(total_steps=2, ttt_length=1, batch_size=16)
+    base = tr.train(cfg, world["model"], world["train"], run, progress=False)
+    warm = tr.train(dataclasses.replace(cfg, seed=9), world["model"], world["train"], world["tmp"].mktemp("warm"),
+                    init=run / "head", stop_at=0, progress=False, export=False)
+    np.testing.assert_array_equal(warm.draft_ids, base.draft_ids)
+    flat_b, flat_w = jax.tree.leaves(base.params), jax.tree.leaves(warm.params)
+    assert len(flat_b) == len(flat_w)
+    for a, b in zip(flat_b, flat_w):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=0)
+    fresh = tr.train(dataclasses.replace(cfg, seed=9), world["model"], world["train"], world["tmp"].mktemp("fresh"),
+                     stop_at=0, progress=False, export=False)
+    assert not np.allclose(np.asarray(jax.tree.leaves(fresh.params)[0]), np.asarray(flat_b[0]))  # control
+    with pytest.raises(ConfigValueError, match="--init .*a eagle3 head, but the run trains medusa"):
+        tr.train(small(drafter="medusa", total_steps=2, batch_size=16), world["model"], world["train"],
+                 world["tmp"].mktemp("bad"), init=run / "head", stop_at=0, progress=False, export=False)
+
+
 # ---- 4. EAGLE-1, Medusa; export round trips ---------------------------------------------------------
 
 

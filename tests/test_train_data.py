@@ -197,6 +197,20 @@ def test_corrupt_shard_and_mismatched_manifest_give_clear_errors(chat, built, tm
         D.FeatureCache(tmp_path)
 
 
+def test_a_campaign_round_takes_the_next_conversations(chat, built, tmp_path):
+    """first_conversation = 6: the cache of conversations 6..9 equals the full cache's rows of them,
+    and the manifest records where it starts (a resume with another start is refused)."""
+    full, convs = built
+    later = _build(tmp_path, chat, convs, num_conversations=4, first_conversation=6)
+    assert later.manifest["first_conversation"] == 6 and later.num_examples == 4
+    assert later.manifest["shards"][0]["conversations"] == [6, 9]
+    want = np.concatenate([full.shard(k)["tokens"] for k in range(len(full.shards))])[6:10]
+    got = np.concatenate([later.shard(k)["tokens"] for k in range(len(later.shards))])
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(D.DataError, match="first_conversation"):
+        _build(tmp_path, chat, convs, num_conversations=4, first_conversation=5, resume=True)
+
+
 def test_iterate_is_deterministic_and_resumes_bit_exact(built):
     cache, _ = built
     n = cache.num_examples

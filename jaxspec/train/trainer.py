@@ -542,6 +542,9 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
 
     cfg = cfg.validate()
     run_dir = Path(run_dir)
+    if resume and not (run_dir / "train_config.json").is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: no training run there (no train_config.json); "
+                                "drop --resume to start a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
     tcfg = target.config
     hcfg = make_head_config(cfg, tcfg)
