@@ -267,6 +267,28 @@ def test_medusa_tree_choices(world):
                draft=load_draft(bad, world.model, jnp.float32, progress=False))
 
 
+@pytest.mark.parametrize("choices, match", [
+    ("[]", "non-empty"), ("[[0], [-1]]", "integer ranks >= 0"), ("[[0], [1, 0]]", "no parent \\[1\\]"),
+    ("[[0], [0], [1]]", "appears twice"), ("[[0], [1.0], [0, 0]]", "integer ranks"), ("[[0], [5], [0, 0]]", "ranks up to 5"),
+    ("[[0], [0, 0], [0, 0, 0]]", "3 deep"), ("[[0], []]", "non-empty list"), ("{}", "non-empty"),
+])
+def test_medusa_tree_choices_are_checked(world, choices, match):
+    """Issue 23: malformed or inconsistent --tree-choices were accepted without a word."""
+    spec = spec_for("medusa", world.heads["medusa"], 2, 2, 4, tree_choices=choices)
+    with pytest.raises(RequestError, match=match):
+        Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=spec,
+               draft=load_draft(spec, world.model, jnp.float32, progress=False))
+
+
+@pytest.mark.parametrize("alg, topk", [("eagle3", 2), ("medusa", 1)])
+def test_tree_choices_where_they_do_not_apply_are_refused(world, alg, topk):
+    """Issue 23: --tree-choices with --spec eagle3 (or a Medusa chain) was silently ignored."""
+    spec = spec_for(alg, world.heads[alg], topk, 2, 4 if topk > 1 else 3, tree_choices="[[0], [1], [0, 0]]")
+    with pytest.raises(RequestError, match="tree_choices"):
+        Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=spec,
+               draft=load_draft(spec, world.model, jnp.float32, progress=False))
+
+
 def test_draft_model_default_picks_the_shipped_head(world, tmp_path, monkeypatch):
     """`--draft-model default` reads checkpoints/<shipped name>; absent, or for an algorithm without a
     shipped head, the error names the path or the algorithms that have one."""

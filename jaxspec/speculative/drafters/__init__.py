@@ -23,7 +23,11 @@ def build_drafter(plan: "SpecPlan", *, draft_cfg=None, catch_up_width: int = 0, 
     A plugin factory is called as factory(plan=plan, target_cfg=target_cfg,
     draft_cfg=draft_cfg) and must return an object with the protocol above.
     """
-
+    kind = getattr(draft_cfg, "kind", None)
+    if plan.tree_choices and kind != "medusa":  # read only by Medusa's static tree: never ignore it
+        raise SpecConfigError(f"spec.tree_choices (--tree-choices) shapes a Medusa head's static tree; "
+                              f"{plan.algorithm} {'(a ' + kind + ' head) ' if kind else ''}builds its tree from "
+                              "the draft scores (--topk, --num-steps, --num-draft-tokens)")
     if plan.algorithm == "ngram":
         return NgramDrafter(plan)
     if plan.algorithm == "standalone":

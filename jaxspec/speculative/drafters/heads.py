@@ -66,11 +66,30 @@ def default_medusa_choices(topk: int, depth: int, n: int) -> list[tuple[int, ...
 
 
 def parse_choices(text: str) -> list[tuple[int, ...]]:
+    """Medusa tree paths from JSON, checked: a non-empty list of distinct, non-empty lists of
+    integer ranks >= 0, closed under prefixes (each path's parent is a path too)."""
+    form = "a JSON list of rank lists like [[0], [1], [0, 0]]"
     try:
         raw = json.loads(text)
-        return [tuple(int(r) for r in c) for c in raw]
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"spec.tree_choices must be a JSON list of rank lists like [[0], [1], [0, 0]]: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"spec.tree_choices must be {form}: {e}") from None
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"spec.tree_choices must be {form}, non-empty; got {text[:60]}")
+    paths = []
+    for c in raw:
+        if (not isinstance(c, list) or not c
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)):
+            raise ValueError(f"spec.tree_choices: {json.dumps(c)[:40]} is not a non-empty list of integer ranks >= 0")
+        paths.append(tuple(c))
+    seen = set()
+    for p in paths:
+        if p in seen:
+            raise ValueError(f"spec.tree_choices: path {list(p)} appears twice")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"spec.tree_choices: path {list(p)} has no parent {list(p[:-1])} (an orphan)")
+    return paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +103,8 @@ class MedusaDrafter(_PendingOnly):
 
     def __post_init__(self):
         n = self.num_draft_tokens
+        if self.choices and self.topk == 1:
+            raise ValueError("spec.tree_choices needs a tree (spec.topk > 1); with topk = 1 Medusa drafts a chain")
         if self.topk == 1 and n - 1 > self.head.num_heads:
             raise ValueError(f"a Medusa chain of {n - 1} drafts needs {n - 1} heads; the checkpoint has "
                              f"{self.head.num_heads} (spec.num_draft_tokens <= {self.head.num_heads + 1})")
