@@ -491,7 +491,7 @@ class Engine:
                 with timed("verify"):
                     cache, result, feats = jax.block_until_ready(verify(params, s, t, p, q))
                 with timed("other"):
-                    new = jax.block_until_ready(commit(s, cache, d, t, result))
+                    new = jax.block_until_ready(commit(s, cache, d, t, result, p))
                 # The draft-extend is drafting work: it counts as draft time.
                 with timed("draft"):
                     s = jax.block_until_ready(observe(draft_params, s, new, t, result, feats))

@@ -327,7 +327,7 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
 
     draft(draft_params, state) -> (tokens, parents, draft_probs, draft_state), consumes state.draft
     verify(params, state, tokens, parents, draft_probs) -> (cache, result, feats), consumes state.cache
-    commit(state, cache, draft_state, tokens, result) -> state
+    commit(state, cache, draft_state, tokens, result, parents) -> state
     observe(draft_params, old_state, new_state, tokens, result, feats) -> new_state (draft-extend), consumes new_state.draft
     """
     want = drafter.target_features
@@ -339,9 +339,10 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
         return verify_phase(plan, cfg, params, dataclasses.replace(rest, cache=cache), tokens, parents, draft_probs,
                             want)
 
-    def commit(rest, cache, draft_state, tokens, result):
+    def commit(rest, cache, draft_state, tokens, result, parents=None):
+        # The fused loop's predicate (a chain is a proposal without parents), not the plan's shape.
         return commit_phase(dataclasses.replace(rest, cache=None), cache, draft_state, tokens, result,
-                            chain=plan.chain)
+                            chain=parents is None)
 
     def observe(draft_params, draft_state, old, tokens, result, feats):
         return drafter.observe(draft_params, draft_state, committed_path(old, tokens, result, feats), old.page_table)
@@ -354,6 +355,6 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
     return (
         lambda dp, s: draft_j(dp, s.draft, dataclasses.replace(s, draft=None)),
         lambda p, s, t, par, q: verify_j(p, s.cache, bare(s), t, par, q),
-        lambda s, cache, d, t, r: commit_j(bare(s), cache, d, t, r),
+        lambda s, cache, d, t, r, par=None: commit_j(bare(s), cache, d, t, r, par),
         lambda dp, old, new, t, r, f: dataclasses.replace(new, draft=observe_j(dp, new.draft, bare(old), t, r, f)),
     )
