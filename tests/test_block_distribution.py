@@ -46,7 +46,7 @@ def heads(tiny, tmp_path_factory):  # noqa: F811
 
 def build_engine(model, heads, alg):
     spec = SpecSection(algorithm=alg, draft_model=str(heads[alg]), num_draft_tokens=4,
-                       sps_table=str(heads["table"]) if alg == "dspark" else "flat")
+                       sps_table=str(heads["table"]) if alg == "dspark" else "default")
     ecfg = EngineSection(max_batch_size=BATCH, batch_buckets=(BATCH,), max_context=32, length_buckets=(8, 16, 32),
                          page_size=4)
     return Engine(model.params, model.config, ecfg, progress=False, spec=spec,

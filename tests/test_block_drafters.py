@@ -57,6 +57,8 @@ def world(tmp_path_factory):
 
 
 def spec_for(alg, head_dir, n, **kw):
+    if alg != "dspark":  # only DSPARK's planner reads a table; DFLASH refuses one (it would ignore it)
+        kw.pop("sps_table", None)
     return SpecSection(algorithm=alg, draft_model=str(head_dir), num_draft_tokens=n, **kw)
 
 
@@ -289,8 +291,16 @@ def test_bad_block_checkpoints_are_named(world, tmp_path):
     with pytest.raises(ValueError, match=r"mask_token_id 10000 is not a token id in \[0, 256\)"):
         load_draft(spec_for("dflash", d, 4), world.model, jnp.float32, progress=False)
     d = write_block_head(tmp_path / "ids", world.hf, kind="dflash", layer_ids=(0, 5))
-    with pytest.raises(ValueError, match=r"\[0, 5\] .* has \[5\] outside"):
+    with pytest.raises(ValueError, match=r"dflash_config.target_layer_ids \[0, 5\] .* has \[5\] outside"):
         load_draft(spec_for("dflash", d, 4), world.model, jnp.float32, progress=False)
+    with pytest.raises(ValueError, match=r"spec.sps_table .* dflash verifies every draft"):
+        Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False,
+               spec=SpecSection(algorithm="dflash", draft_model=str(world.heads["dflash"]), num_draft_tokens=4,
+                                sps_table="flat"),
+               draft=load_draft(spec_for("dflash", world.heads["dflash"], 4), world.model, jnp.float32, progress=False))
+    with pytest.raises(ValueError, match=r"spec.draft_layers .* --spec dflash would ignore it"):
+        load_draft(SpecSection(algorithm="dflash", draft_model=str(world.heads["dflash"]), num_draft_tokens=4,
+                               draft_layers=5), world.model, jnp.float32, progress=False)
     with pytest.raises(ValueError, match="'dspark' drives dspark heads, but .* holds a dflash head: use --spec dflash"):
         load_draft(spec_for("dspark", world.heads["dflash"], 4), world.model, jnp.float32, progress=False)
     # Positive control: the same head under its own algorithm loads, with the layer-id convention applied.

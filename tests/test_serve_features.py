@@ -118,7 +118,7 @@ def test_block_drafter_through_preemption_is_exact(world, tmp_path, alg):
     from tests.test_block_drafters import falling_table
 
     extra = {"spec.algorithm": alg, "spec.draft_model": str(world[alg]), "spec.num_draft_tokens": 6,
-             "spec.sps_table": str(falling_table(tmp_path / "sps.json")) if alg == "dspark" else "flat",
+             "spec.sps_table": str(falling_table(tmp_path / "sps.json")) if alg == "dspark" else "default",
              "serve.adaptive": False, "engine.num_pages": 25}
     server = build_server(config(world["path"], **extra), model=world["model"], progress=False)
     got, seqs = run_all(server, PROMPTS, NEW)

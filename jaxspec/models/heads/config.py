@@ -122,8 +122,10 @@ def _check(what: str, head: int, target: int) -> None:
         raise ConfigError(f"draft head {what} {head} != target {what} {target}")
 
 
-def feature_layers_from(ids, num_target_layers: int, convention: str) -> tuple[int, ...]:
-    """Captured-layer ids as written in a checkpoint -> "entering layer k" ids, range-checked."""
+def feature_layers_from(ids, num_target_layers: int, convention: str,
+                        field: str = "eagle_aux_hidden_state_layer_ids") -> tuple[int, ...]:
+    """Captured-layer ids as written in a checkpoint -> "entering layer k" ids, range-checked;
+    `field` is the config field the message names."""
     if convention not in CONVENTIONS:
         raise ConfigError(f"aux_layer_convention must be one of {CONVENTIONS}, got {convention!r}")
     L = num_target_layers
@@ -133,7 +135,7 @@ def feature_layers_from(ids, num_target_layers: int, convention: str) -> tuple[i
     bad = [i for i in ids if not lo <= i <= hi]
     if bad:
         raise ConfigError(
-            f"eagle_aux_hidden_state_layer_ids {ids} ({convention} convention) has {bad} outside "
+            f"{field} {ids} ({convention} convention) has {bad} outside "
             f"[{lo}, {hi}] for a target with {L} layers"
         )
     return tuple(i + 1 for i in ids) if convention == "output" else tuple(ids)
@@ -231,7 +233,7 @@ def parse_block_config(kind: str, cfg: dict, t: ModelConfig, convention: str = "
         raise ConfigError(f"{kind} config.json has no {kind}_config.target_layer_ids")
     n_target = int(cfg.get("num_target_layers") or t.num_layers)
     _check("num_target_layers", n_target, t.num_layers)
-    feats = feature_layers_from(ids, t.num_layers, convention)
+    feats = feature_layers_from(ids, t.num_layers, convention, field=f"{kind}_config.target_layer_ids")
     mask = get("mask_token_id")
     if mask is None or not 0 <= int(mask) < t.vocab_size:
         raise ConfigError(f"{kind} config.json: mask_token_id {mask!r} is not a token id in [0, {t.vocab_size})")

@@ -28,6 +28,9 @@ def build_drafter(plan: "SpecPlan", *, draft_cfg=None, catch_up_width: int = 0, 
         raise SpecConfigError(f"spec.tree_choices (--tree-choices) shapes a Medusa head's static tree; "
                               f"{plan.algorithm} {'(a ' + kind + ' head) ' if kind else ''}builds its tree from "
                               "the draft scores (--topk, --num-steps, --num-draft-tokens)")
+    if plan.sps_table not in ("", "default") and not getattr(draft_cfg, "confidence", False):
+        raise SpecConfigError(f"spec.sps_table (--sps-table) drives the planner of a head with a confidence head "
+                              f"(DSPARK); {plan.algorithm} verifies every draft, so it would be ignored")
     if plan.algorithm == "ngram":
         return NgramDrafter(plan)
     if plan.algorithm == "standalone":

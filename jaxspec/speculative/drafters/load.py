@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxspec.models.config import ConfigError
-from jaxspec.speculative.algorithm import validate_spec_config
+from jaxspec.speculative.algorithm import SpecConfigError, validate_spec_config
 
 # Which head formats each feature algorithm drives.
 HEAD_KINDS = {
@@ -44,6 +44,9 @@ def load_draft(spec, model, dtype, *, cache_dir: str | None = None, progress: bo
         if spec.draft_layers:
             params, dcfg = truncate_layers(params, dcfg, spec.draft_layers)
         return params, dcfg
+    if spec.draft_layers:
+        raise SpecConfigError(f"spec.draft_layers (--draft-layers) truncates the standalone drafter's model; "
+                              f"--spec {name} would ignore it")
     if name not in HEAD_KINDS:
         return None
     from jaxspec.models.heads.loading import load_draft_head, load_mtp_head
