@@ -1,5 +1,8 @@
 """`python -m jaxspec.train campaign`: one round of the EAGLE-3 training campaign.
 
+    python -m jaxspec.train campaign [--raw N] [--regen N] [--work DIR]   # one round
+    python -m jaxspec.train campaign plot [PNG]                            # τ against tokens seen
+
 A round survives fresh machines: everything it needs is in the shipped head's directory
 (`campaign.json`: the rounds so far, where the next round's conversations start, the command
 line), and every step resumes from what a killed round left in `--work`:
@@ -168,7 +171,52 @@ def run_round(args) -> int:
     return 0
 
 
+def curve(state: dict) -> list[dict]:
+    """(training tokens seen, MT-Bench τ, held-out top-1 at TTT step 0) per evaluated head: the
+    head each round started from, then every round's candidate (shipped or not)."""
+    points = []
+    for r in state["rounds"]:
+        start = r["tokens_seen"] - r["round_tokens"]
+        if all(p["tokens"] != start for p in points):
+            points.append({"tokens": start, "tau": r["mtbench"]["shipped"]["tau"], "heldout_top1": None,
+                           "shipped": True, "round": r["round"] - 1})
+        held = (r.get("heldout_last") or {}).get("heldout_acc") or [None]
+        points.append({"tokens": r["tokens_seen"], "tau": r["mtbench"]["candidate"]["tau"],
+                       "heldout_top1": held[0], "shipped": r["shipped"], "round": r["round"]})
+    return points
+
+
+def plot_curve(head: Path, out: Path) -> Path:
+    """τ (MT-Bench, chain of 3) against training tokens seen, log axis: docs/img."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = curve(_state(head))
+    if not pts:
+        raise RuntimeError(f"{head / 'campaign.json'}: no rounds yet")
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    shipped = [p for p in pts if p["shipped"]]
+    ax.plot([p["tokens"] for p in shipped], [p["tau"] for p in shipped], "-", color="0.6")
+    for p in pts:
+        ax.plot(p["tokens"], p["tau"], "o" if p["shipped"] else "x", color="C0" if p["shipped"] else "C3")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens seen by the head")
+    ax.set_ylabel("MT-Bench τ (chain of 3, greedy)")
+    ax.set_title("EAGLE-3 head for SmolLM2-135M (CPU campaign)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "plot":
+        out = Path(argv[1] if len(argv) > 1 else "docs/img/eagle3_tau_vs_tokens.png")
+        print(plot_curve(HEAD, out))
+        return 0
     p = argparse.ArgumentParser(prog="python -m jaxspec.train campaign", description=__doc__.split("\n\n")[0])
     p.add_argument("--head", default=str(HEAD), help="the shipped head directory (read, and written on ship)")
     p.add_argument("--work", default="cache/campaign", help="caches and runs (not committed)")
