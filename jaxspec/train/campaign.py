@@ -201,6 +201,9 @@ def plot_curve(head: Path, out: Path) -> Path:
     ax.plot([p["tokens"] for p in shipped], [p["tau"] for p in shipped], "-", color="0.6")
     for p in pts:
         ax.plot(p["tokens"], p["tau"], "o" if p["shipped"] else "x", color="C0" if p["shipped"] else "C3")
+    ax.axhline(2.2, ls="--", color="C2", lw=1)
+    ax.text(pts[0]["tokens"], 2.23, "issue target: τ 2.2", color="C2", fontsize=8)
+    ax.set_ylim(1.0, max(2.4, max(p["tau"] for p in pts) + 0.1))
     ax.set_xscale("log")
     ax.set_xlabel("training tokens seen by the head")
     ax.set_ylabel("MT-Bench τ (chain of 3, greedy)")
