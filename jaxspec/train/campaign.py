@@ -167,6 +167,9 @@ def run_round(args) -> int:
     state["rounds"].append(entry)
     if not args.dry_run:
         (head / "campaign.json").write_text(json.dumps(state, indent=1) + "\n")
+        if not args.keep_data:  # the cache is bounded by one round: its features go once it is recorded
+            for d in ("raw", "regen"):
+                shutil.rmtree(work / d, ignore_errors=True)
     print(json.dumps(entry))
     return 0
 
@@ -232,4 +235,5 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ttt", type=int, default=5, help="TTT steps (the chain of 3 and trees of depth 4 use 0..3)")
     p.add_argument("--eval-prompts", type=int, default=10)
     p.add_argument("--dry-run", action="store_true", help="never write the head directory")
+    p.add_argument("--keep-data", action="store_true", help="keep the round's feature caches after it ends")
     return run_round(p.parse_args(argv))
