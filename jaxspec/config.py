@@ -118,6 +118,9 @@ class ServeSection:
     # XLA's persistent compilation cache: a restart loads the buckets instead of
     # compiling them again. "" = <model cache dir>/xla, "off" = disabled.
     compilation_cache: str = ""
+    # SIGTERM drains: no new requests (503), running ones get this many seconds to finish,
+    # the rest end with an error event and [DONE]; then the process exits 0.
+    shutdown_grace: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)

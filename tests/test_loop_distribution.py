@@ -104,8 +104,8 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.
     return float(stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
 
 
-def engine_for(model, spec: SpecSection | None) -> Engine:
-    ecfg = EngineSection(max_batch_size=BATCH, batch_buckets=(BATCH,), max_context=32, length_buckets=(8, 16, 32),
+def engine_for(model, spec: SpecSection | None, batch: int = BATCH) -> Engine:
+    ecfg = EngineSection(max_batch_size=batch, batch_buckets=(batch,), max_context=32, length_buckets=(8, 16, 32),
                          page_size=4)
     draft = None
     if spec is not None and spec.algorithm == "standalone":
@@ -159,6 +159,19 @@ def test_loop_samples_the_top_k_top_p_distribution(tiny, name):
     toks, _ = first_three(engine_for(model, SPECS[name]), 0.8, 0.9, top_k=5)
     p = chi_square_p(joint_counts(toks), exact_joint(hf, 0.8, 0.9, top_k=5))
     assert p > 1e-4, f"{name} at T=0.8, top_k=5, top_p=0.9: chi-square p={p:.2e}"
+
+
+def test_ngram_tree_and_a_small_batch_sample_the_target(tiny):
+    """Issue 23 item 5: an n-gram tree (top-k 2: several continuations, one-hot verified) and a
+    batch of 4, where batch-coupled effects would show, through the whole loop."""
+    model, hf = tiny
+    tree = SpecSection(algorithm="ngram", topk=2, num_steps=2, num_draft_tokens=5)
+    toks, accepts = first_three(engine_for(model, tree), 1.0, 1.0)
+    assert np.sum(accepts > 1) > 300
+    assert chi_square_p(joint_counts(toks), exact_joint(hf, 1.0, 1.0)) > 1e-4
+    small = engine_for(model, SPECS["standalone-tree"], batch=4)
+    toks, _ = first_three(small, 0.7, 0.9, seeds=range(8_000))
+    assert chi_square_p(joint_counts(toks), exact_joint(hf, 0.7, 0.9)) > 1e-4
 
 
 def test_plain_decoding_samples_the_target_distribution(tiny):

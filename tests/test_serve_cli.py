@@ -77,3 +77,77 @@ def test_cli_compiles_logs_the_url_and_serves(chat_model_dir):
     assert re.search(rf"jaxspec serving tiny at http://127\.0\.0\.1:{port}/v1", text), text[-2000:]
     assert "compiling buckets" in text  # the progress bar
     assert proc.returncode in (0, -signal.SIGINT)
+
+
+def test_sigterm_drains_open_streams_and_exits_0(chat_model_dir):
+    """Issue 23: SIGTERM with streams open exited 143 and cut every stream (no finish_reason, no
+    error event, no [DONE]). Now: no new requests, running ones get --shutdown-grace (0 here, so
+    the running ones are ended), each stream closes with a finish or an error event and [DONE],
+    and the process exits 0."""
+    import json
+    import threading
+
+    port = free_port()
+    sets = [a for k, v in SERVE_CFG.items() for a in ("--set", f"{k}={v}")]
+    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", str(chat_model_dir), "--port", str(port),
+           "--served-model-name", "tiny", "--shutdown-grace", "0", *sets]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    results, started = {}, threading.Semaphore(0)
+
+    def stream(k):
+        lines = []
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": f"Story {k}:", "max_tokens": 180, "temperature": 1.0,
+                                    "stream": True, "ignore_eos": True}) as r:
+                if r.status_code != 200:
+                    r.read()
+                    lines.append(f"STATUS {r.status_code} {r.text[:200]}")
+                    started.release()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        if not lines:
+                            started.release()
+                        lines.append(line[6:])
+        except httpx.HTTPError as e:
+            lines.append(f"TRANSPORT {type(e).__name__}")
+            started.release()
+        results[k] = lines
+
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, "server exited early"
+            time.sleep(0.2)
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(24)]
+        for t in threads:
+            t.start()
+        for _ in range(4):
+            started.acquire(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    assert len(results) == 24
+    aborted = 0
+    for k, lines in results.items():
+        assert lines, k
+        if lines[0].startswith(("TRANSPORT", "STATUS 503")):
+            continue  # refused while draining, or not connected before the listener closed: no stream was cut
+        assert not lines[0].startswith("STATUS"), lines[0]
+        assert lines[-1] == "[DONE]", (k, lines[-3:])
+        last = json.loads(lines[-2])
+        assert "error" in last or last["choices"][0]["finish_reason"] is not None, (k, lines[-3:])
+        aborted += "error" in last
+    assert aborted > 0, (out[-3000:], {k: v[-2:] for k, v in results.items()})  # grace 0: running streams ended, not cut

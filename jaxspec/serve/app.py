@@ -248,9 +248,10 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
         while open_choices:
             index, event = await stream.queue.get()
             completion_tokens += len(event.token_ids)
-            if event.finish_reason == "abort":
+            if event.finish_reason == "abort":  # an error event, then [DONE]: the client sees the stream end
                 yield sse(APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
                                    type_="server_error").body())
+                yield "data: [DONE]\n\n"
                 return
             if event.text or event.finish_reason is not None:
                 yield sse(protocol.chunk(kind, rid, server.model_name, index, event.text, event.finish_reason))

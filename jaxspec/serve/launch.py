@@ -32,6 +32,7 @@ SERVE_FLAG_KEYS = {
     "prefill_chunk": "serve.prefill_chunk",
     "adaptive": "serve.adaptive",
     "adaptive_steps": "serve.adaptive_steps",
+    "shutdown_grace": "serve.shutdown_grace",
 }
 # Speculation is on by default when serving: n-gram drafts cost no extra model,
 # verify "auto" keeps sampled requests exact (all-greedy batches take the
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_spec_args(p)
     add_mesh_args(p)
+    p.add_argument("--shutdown-grace", type=float,
+                   help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -150,9 +153,26 @@ def main(argv: list[str] | None = None) -> int:
 
         threading.Thread(target=run, name="warm-up", daemon=True).start()
 
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM / SIGINT drain the scheduler before uvicorn closes the connections; a second
+        signal exits at once (uvicorn's force exit)."""
+
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+
+            def drain():
+                server.drain(s.shutdown_grace)
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="drain", daemon=True).start()
+
     try:
-        uvicorn.run(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5,
-                    http=http_protocol())
+        DrainingServer(uvicorn.Config(app, host=s.host, port=s.port, log_level="warning",
+                                      timeout_graceful_shutdown=5, http=http_protocol())).run()
     finally:
         server.shutdown()
         if leader is not None:

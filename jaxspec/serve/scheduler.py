@@ -168,6 +168,11 @@ class Scheduler:
         self._inbox.put(("cancel", seq))
         self._wake.set()
 
+    def abort_all(self, reason: str) -> None:
+        """End every queued and running sequence with finish reason "abort" (on the scheduler thread)."""
+        self._inbox.put(("abort_all", reason))
+        self._wake.set()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="jaxspec-scheduler", daemon=True)
         self._thread.start()
@@ -229,6 +234,11 @@ class Scheduler:
                 if seq in self.waiting:
                     self.waiting.remove(seq)
                 self._finish(seq, "abort")
+            elif op == "abort_all":  # `seq` carries the reason the clients are told
+                self.last_error = seq
+                for s in self.waiting + self.prefilling + self.running:
+                    self._finish(s, "abort")
+                self.waiting.clear()
 
     def _lookahead(self, seq: Seq) -> int:
         """Cache slots `seq` may touch during the next decode call (scratch of the last tree included)."""

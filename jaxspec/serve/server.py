@@ -60,6 +60,8 @@ class Server:
         log.info("compiled %d buckets in %.1fs", self.runner.num_compiles, time.perf_counter() - t0)
 
     def submit(self, prompt_ids: list[int], params: GenParams, seed: int, on_event, param_name: str) -> Seq:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error")
         stop_ids = () if params.ignore_eos else self.stop_ids
         sp = SeqParams(max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                        top_k=params.top_k, seed=seed, stop_ids=stop_ids, stop_strings=params.stop)
@@ -80,6 +82,26 @@ class Server:
 
     def random_seed(self) -> int:
         return secrets.randbits(32)
+
+    draining = False
+
+    def drain(self, grace_s: float) -> int:
+        """Stop admitting; give running and queued requests `grace_s` seconds; abort the rest (their
+        clients get an error event and [DONE]). Returns how many were aborted."""
+        self.draining = True
+        sched = self.scheduler
+        deadline = time.monotonic() + max(grace_s, 0.0)
+        while time.monotonic() < deadline and (sched.num_active or sched.waiting or not sched._inbox.empty()):
+            time.sleep(0.05)
+        left = sched.num_active + len(sched.waiting)
+        if left:
+            log.warning("shutdown: %d request(s) still running after %.0f s; ending them", left, grace_s)
+            sched.abort_all("the server is shutting down")
+            end = time.monotonic() + 10
+            while time.monotonic() < end and (sched.num_active or sched.waiting):
+                time.sleep(0.05)
+        time.sleep(0.2)  # let the streams flush their last events
+        return left
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -97,8 +97,12 @@ def evaluate(model, heads: dict[str, Path], num_prompts: int, max_new: int = 128
 
 
 def run_round(args) -> int:
+    import subprocess
+
     from jaxspec.models.loading import load_model
-    from jaxspec.train.__main__ import export_run, main as train_main
+
+    def train_cli(*argv) -> int:  # `python -m jaxspec.train`, in its own process (and memory)
+        return subprocess.run([sys.executable, "-m", "jaxspec.train", *argv]).returncode
 
     head = Path(args.head)
     state = _state(head)
@@ -132,13 +136,15 @@ def run_round(args) -> int:
         if (run / "train_config.json").exists():
             argv.append("--resume")
         log("train: python -m jaxspec.train " + " ".join(argv))
-        rc = train_main(argv)
+        rc = train_cli(*argv)
         if rc:
             return rc
         _mark(work / "train.done", {"argv": argv, "steps": steps})
     cand = work / "head"
     if not (cand / "config.json").exists():
-        export_run(run, cand, dtype="bfloat16")
+        rc = train_cli("export", str(run), "--out", str(cand), "--dtype", "bfloat16")
+        if rc:
+            return rc
 
     # 3. Evaluate side by side.
     if not _done(work / "eval.done"):
