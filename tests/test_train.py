@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -264,6 +265,105 @@ def test_resume_of_a_missing_run_is_an_error(world, tmp_path):
     with pytest.raises(FileNotFoundError, match="no training run there"):
         tr.train(small(total_steps=2), world["model"], world["train"], tmp_path / "absent", resume=True,
                  progress=False)
+
+
+def _largest_file(d):
+    return max((f for f in d.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def _flip(d):
+    f = _largest_file(d / "state")
+    b = bytearray(f.read_bytes())
+    for i in range(len(b) // 3, len(b) // 3 + 64):  # 64 bytes mid-file: data, not a header
+        b[i] ^= 0x10
+    f.write_bytes(bytes(b))
+
+
+DAMAGE = {
+    "bit-flip": _flip,
+    "truncated": lambda d: _largest_file(d / "state").write_bytes(_largest_file(d / "state").read_bytes()[:100]),
+    "state-removed": lambda d: shutil.rmtree(d / "state"),
+    "garbage-meta": lambda d: (d / "meta" / "metadata").write_text("{not json"),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(world):
+    """A run of 4 steps with checkpoints at steps 2 and 4, and its final params."""
+    cfg = small(total_steps=4, save_every=2, ttt_length=1, batch_size=16, log_every=2)
+    run = world["tmp"].mktemp("ckpt")
+    res = tr.train(cfg, world["model"], world["train"], run, progress=False, export=False)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    return cfg, run, res.params
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_resume_falls_back_past_a_damaged_checkpoint(world, finished_run, kind, tmp_path, capsys):
+    """A damaged newest checkpoint (issue 23: a bit flip resumed silently into NaN; a truncated
+    file, a removed item or garbage meta gave tracebacks) is named in one warning, and the run
+    resumes from the previous intact one: steps 3-4 again, to the very params of the straight run."""
+    cfg, src, straight = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    DAMAGE[kind](run / "checkpoints" / "4")
+    res = tr.train(cfg, world["model"], world["train"], run, resume=True, progress=False, export=False)
+    err = capsys.readouterr().err
+    assert f"checkpoint {run / 'checkpoints' / '4'} is damaged" in err, err
+    assert "Traceback" not in err
+    assert res.step == 4
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(res.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_checkpoint_damaged_is_one_error_naming_each(world, finished_run, tmp_path, capsys):
+    from jaxspec.train.__main__ import main as train_main
+    from jaxspec.train.checkpoint import CheckpointError
+
+    cfg, src, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    _flip(run / "checkpoints" / "4")
+    DAMAGE["garbage-meta"](run / "checkpoints" / "2")
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*checkpoints/4.*checkpoints/2"):
+        tr.train(cfg, world["model"], world["train"], run, resume=True, progress=False, export=False)
+    capsys.readouterr()
+    # `train export` says the same in one line, exit 2.
+    assert train_main(["export", str(run), "--out", str(tmp_path / "head"), "--target", str(world["dir"])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: no intact checkpoint") == 1 and "Traceback" not in err, err
+
+
+def test_checkpoint_checksums_catch_a_changed_value_positive_control(finished_run):
+    """`damage` on a restored state: intact -> None; one changed value, same shape -> the leaf
+    named (finite, so only the checksum can see it); a NaN -> named even without checksums."""
+    from jaxspec.train import checkpoint
+
+    cfg, run, _ = finished_run
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    meta = {"step": 1, "epoch": 0, "index": 0, "tokens": 0, "checksums": checkpoint.checksums(params)}
+    assert checkpoint.damage(params, meta) is None
+    changed = {"w": params["w"].copy()}
+    changed["w"][1, 2] += 1e-3
+    assert "checksum mismatch in ['w']" in checkpoint.damage(changed, meta)
+    nan = {"w": np.full((2, 3), np.nan, np.float32)}
+    assert "non-finite" in checkpoint.damage(nan, {k: v for k, v in meta.items() if k != "checksums"})
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoints(world, finished_run, tmp_path):
+    """SIGKILL during a save leaves orbax's temporary directory for the step (it renames only a
+    complete one): resume ignores it and uses the newest complete step."""
+    cfg, src, straight = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    ck = run / "checkpoints"
+    shutil.rmtree(ck / "4")
+    partial = ck / "4.orbax-checkpoint-tmp-1733100000000000"
+    shutil.copytree(ck / "2", partial)
+    shutil.rmtree(partial / "meta")
+    res = tr.train(cfg, world["model"], world["train"], run, resume=True, progress=False, export=False)
+    assert res.step == 4
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(res.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_init_warm_starts_from_an_exported_head(world):

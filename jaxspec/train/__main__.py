@@ -145,6 +145,7 @@ def export_run(run_dir, out, *, target: str = "default", dtype: str = "float32")
     import numpy as np
 
     from jaxspec.models.loading import load_model
+    from jaxspec.train import checkpoint
     from jaxspec.train import trainer as tr
     from jaxspec.train.export import cast_head, export_head
 
@@ -159,9 +160,11 @@ def export_run(run_dir, out, *, target: str = "default", dtype: str = "float32")
     params = tr.init_train_params(hcfg, shared, cfg.seed, ids, cfg.eagle3_head_init)
     like = {"params": params, "opt": tr.make_optimizer(cfg)[0].init(params), "step": np.zeros((), np.int32),
             "rng": np.zeros((2,), np.uint32)}
-    mngr = tr._manager(run, cfg)
-    state, meta = tr._restore(mngr, like)
-    mngr.close()
+    mngr = checkpoint.manager(run, cfg.keep_checkpoints)
+    try:
+        state, meta = checkpoint.restore(mngr, like, set_aside=False)  # export only reads
+    finally:
+        mngr.close()
     if state is None:
         raise FileNotFoundError(f"{run}: no checkpoint to export")
     out = export_head(jax.device_get(state["params"]), hcfg, out, draft_ids=ids, num_target_layers=model.config.num_layers,

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxspec.config import ConfigValueError, _coerce
 from jaxspec.models.heads.init import head_config, init_head_params
+from jaxspec.train import checkpoint
 from jaxspec.train.losses import LossConfig, loss_for, trainable
 from jaxspec.train.warm import load_init_head, warm_params
 
@@ -406,37 +407,6 @@ class TrainResult:
     last: dict  # the last logged line
 
 
-def _manager(run_dir: Path, cfg: TrainConfig):
-    import orbax.checkpoint as ocp
-
-    opts = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=True,
-                                        enable_async_checkpointing=False)
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=opts)
-
-
-def _save(mngr, state, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    mngr.save(meta["step"], args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
-    mngr.wait_until_finished()
-
-
-def _restore(mngr, state_like):
-    import orbax.checkpoint as ocp
-
-    step = mngr.latest_step()
-    if step is None:
-        return None, None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-    r = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                   meta=ocp.args.JsonRestore()))
-    # Restored arrays come back committed to a device; fresh ones are not, and jit keys on that:
-    # rebuild them uncommitted so the resumed run reuses the compiled step (values bit for bit).
-    state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), r["state"])
-    return state, dict(r["meta"])
-
-
 def _iterate(source, cfg: TrainConfig, epoch: int, start: int):
     """One epoch's batches from batch number `start` (FeatureCache / ArraySource skip without loading)."""
     params = inspect.signature(source.iterate).parameters
@@ -529,11 +499,11 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.PRNGKey(cfg.seed)}
     meta = {"step": 0, "epoch": 0, "index": 0, "tokens": 0}
-    mngr = _manager(run_dir, cfg)
+    mngr = checkpoint.manager(run_dir, cfg.keep_checkpoints)
     log_path = run_dir / "log.jsonl"
     restored = None
     if resume:
-        restored, rmeta = _restore(mngr, state)
+        restored, rmeta = checkpoint.restore(mngr, state)
         if restored is not None:
             old = json.loads((run_dir / "train_config.json").read_text())
             hints = typing.get_type_hints(TrainConfig)
@@ -596,7 +566,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
                 bar.set_postfix_str(f"loss={float(m['loss']):.3f} top1=" + "/".join(f"{a:.2f}" for a in np.ravel(acc))
                                     + (f" tok/s={rate:.0f}" if rate else ""))
             if step % cfg.save_every == 0 or step == end:
-                _save(mngr, state, meta)
+                checkpoint.save(mngr, state, meta)
     bar.close()
     params = jax.device_get(state["params"])
     if export and step == cfg.total_steps:
