@@ -68,7 +68,7 @@ class SpecSection:
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int = 4
-    verify: str = "auto"  # greedy rule for greedy rows, lossless rejection for sampled ones
+    verify: str = "auto"  # greedy rule for greedy rows, the coupled rule (= plain sampling's tokens) for sampled ones
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
     draft_model: str = ""
@@ -121,6 +121,9 @@ class ServeSection:
     # SIGTERM drains: no new requests (503), running ones get this many seconds to finish,
     # the rest end with an error event and [DONE]; then the process exits 0.
     shutdown_grace: float = 30.0
+    # "auto": temperature / top_p / top_k a request leaves out default to the model's
+    # generation_config.json (vLLM's --generation-config auto); "none": the OpenAI defaults.
+    generation_config: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,7 @@ class Config:
              "serve.adaptive_steps must be non-empty draft lengths >= 0"),
             (0 <= self.serve.kv_memory_fraction < 1, "serve.kv_memory_fraction must be in [0, 1)"),
             (self.serve.max_body_bytes >= 1024, "serve.max_body_bytes must be >= 1024"),
+            (self.serve.generation_config in ("auto", "none"), "serve.generation_config must be auto or none"),
         ]
         for ok, msg in checks:
             if not ok:

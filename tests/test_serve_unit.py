@@ -142,3 +142,44 @@ def test_chat_template_errors_are_400():
     with pytest.raises(APIError) as e:
         parse_chat({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, Strict(), 16)
     assert e.value.status == 400 and e.value.param == "messages" and "alternate" in e.value.message
+
+
+# ---- the model's generation_config.json as request defaults (issue 23, first impressions) ----------------
+
+
+def test_generation_config_defaults_fill_only_what_a_request_leaves_out(tmp_path):
+    from jaxspec.models.loading import LoadError, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20}))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    p = parse_gen_params({}, 16, defaults)
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.9, 20)
+    p = parse_gen_params({"temperature": 0, "top_p": 1.0, "top_k": -1}, 16, defaults)  # explicit values win
+    assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, 0)
+    p = parse_gen_params({}, 16)  # no model defaults: OpenAI's
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 0)
+    assert generation_defaults(tmp_path / "absent") == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(LoadError, match=r"generation_config.json: top_p = 1.5"):
+        generation_defaults(tmp_path)
+
+
+def test_server_reads_generation_config_unless_told_not_to(tiny_dirs, tmp_path):
+    import shutil
+
+    from jaxspec.models.loading import load_model
+    from jaxspec.serve.server import build_server
+    from tests.test_serve_scheduler import config
+
+    path, _ = tiny_dirs["llama"]
+    d = tmp_path / "m"
+    shutil.copytree(path, d)
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 50}))
+    model = load_model(str(d), progress=False)
+    on = build_server(config(d, **{"spec.algorithm": "ngram"}), model=model, progress=False)
+    assert on.sampling_defaults == {"temperature": 0.7, "top_k": 50}
+    off = build_server(config(d, **{"spec.algorithm": "ngram", "serve.generation_config": "none"}), model=model,
+                       progress=False)
+    assert off.sampling_defaults == {}

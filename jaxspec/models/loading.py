@@ -287,6 +287,35 @@ def load_model(
     return load_hf_dir(hf_dir, dtype, progress)
 
 
+# The request fields a model's generation_config.json may default (vLLM's `--generation-config
+# auto` reads the same three for sampling); the rest of the file (bos/eos, max_length) is not sampling.
+GENERATION_FIELDS = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 20)}
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, float | int]:
+    """The sampling defaults the model's own generation_config.json recommends ({} without one).
+
+    A value out of range or of the wrong type raises LoadError naming the file and the key:
+    a bad default would otherwise fail every request that relies on it."""
+    f = Path(model_dir) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{f}: not readable JSON ({e})") from None
+    out: dict[str, float | int] = {}
+    for key, (kind, lo, hi) in GENERATION_FIELDS.items():
+        v = raw.get(key) if isinstance(raw, dict) else None
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
+        if not ok or not lo <= v <= hi or (key == "top_p" and v == 0):
+            raise LoadError(f"{f}: {key} = {v!r} is not a valid default (a {kind.__name__} in [{lo}, {hi}])")
+        out[key] = kind(v)
+    return out
+
+
 __all__ = [
     "ConfigError",
     "LoadError",
@@ -294,6 +323,7 @@ __all__ = [
     "cache_root",
     "convert_gguf",
     "default_gguf_path",
+    "generation_defaults",
     "load_hf_dir",
     "load_model",
 ]

@@ -156,9 +156,10 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
         param_name = "prompt" if kind == "completion" else "messages"
         with server.scheduler.tokenizer_lock:  # shared with the scheduler thread's detokenizing
             if kind == "completion":
-                parsed = protocol.parse_completion(body, server.tokenizer, server.vocab_size, default_max)
+                parsed = protocol.parse_completion(body, server.tokenizer, server.vocab_size, default_max,
+                                                   server.sampling_defaults)
             else:
-                parsed = protocol.parse_chat(body, server.tokenizer, default_max)
+                parsed = protocol.parse_chat(body, server.tokenizer, default_max, server.sampling_defaults)
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             parsed = _fit_default_max_tokens(parsed, server.scheduler.max_sequence_tokens, default_max, param_name)
         p = parsed.params

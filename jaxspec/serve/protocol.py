@@ -116,15 +116,18 @@ def _field(body: dict, key: str, default, field: str | None = None):
         raise APIError(400, str(e), key) from None
 
 
-def parse_gen_params(body: dict, default_max_tokens: int) -> GenParams:
+def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None = None) -> GenParams:
+    """The request's generation parameters; `defaults` (the model's generation_config.json) fill
+    temperature / top_p / top_k a body leaves out, before the OpenAI defaults."""
+    defaults = defaults or {}
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, key, default_max_tokens, "max_tokens")
-    temperature = _field(body, "temperature", 1.0)
+    temperature = _field(body, "temperature", defaults.get("temperature", 1.0))
     if temperature > 2:  # OpenAI's range, narrower than what the sampler takes
         raise APIError(400, f"temperature must be a number in [0, 2], got {json.dumps(temperature)}", "temperature")
-    top_p = _field(body, "top_p", 1.0)
+    top_p = _field(body, "top_p", defaults.get("top_p", 1.0))
     top_k = body.get("top_k")
-    top_k = 0 if _is_int(top_k) and top_k == -1 else _field(body, "top_k", 0)  # -1 = off, as in vLLM
+    top_k = 0 if _is_int(top_k) and top_k == -1 else _field(body, "top_k", defaults.get("top_k", 0))  # -1 = off
     seed = _field(body, "seed", None)
     n = _field(body, "n", 1)
     if n > MAX_N:
@@ -162,7 +165,8 @@ def _token_list(v, vocab: int, param: str) -> list[int]:
     return list(v)
 
 
-def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int) -> ParsedRequest:
+def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int,
+                     defaults: dict | None = None) -> ParsedRequest:
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("prompt", "is required")
@@ -176,7 +180,7 @@ def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int)
         raise bad("prompt", "must be a string, a list of strings, a token list or a list of token lists")
     if len(items) > MAX_N:
         raise bad("prompt", f"at most {MAX_N} prompts per request")
-    params = parse_gen_params(body, default_max_tokens)  # cheap checks before tokenizing
+    params = parse_gen_params(body, default_max_tokens, defaults)  # cheap checks before tokenizing
     prompts = []
     for p in items:
         if isinstance(p, str):
@@ -213,7 +217,7 @@ def _flatten_content(messages: Any) -> Any:
     return out
 
 
-def parse_chat(body: dict, tokenizer, default_max_tokens: int) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer, default_max_tokens: int, defaults: dict | None = None) -> ParsedRequest:
     if "messages" not in body:
         raise bad("messages", "is required")
     messages = _flatten_content(body["messages"])
@@ -229,7 +233,7 @@ def parse_chat(body: dict, tokenizer, default_max_tokens: int) -> ParsedRequest:
         raise bad("messages", f"the chat template rejected these messages: {str(e).splitlines()[0][:200]}") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    return ParsedRequest("chat", [list(ids)], parse_gen_params(body, default_max_tokens))
+    return ParsedRequest("chat", [list(ids)], parse_gen_params(body, default_max_tokens, defaults))
 
 
 # ---- responses -------------------------------------------------------------------------

@@ -34,6 +34,9 @@ class Server:
     metrics: ServerMetrics
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     startup_error: str | None = None
+    # Request fields a body leaves out take these (the model's generation_config.json under
+    # serve.generation_config = "auto", as vLLM does) before the OpenAI defaults.
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -202,5 +205,13 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
                           metrics=metrics)
     name = s.served_model_name or (
         "SmolLM2-135M-Instruct" if cfg.model.path == "default" else Path(cfg.model.path).name)
+    defaults = {}
+    if s.generation_config == "auto":
+        from jaxspec.models.loading import generation_defaults
+
+        defaults = generation_defaults(model.path)
+        if defaults:
+            log.info("sampling defaults from %s/generation_config.json: %s", model.path,
+                     ", ".join(f"{k}={v}" for k, v in defaults.items()))
     return Server(cfg=cfg, runner=runner, scheduler=scheduler, tokenizer=model.tokenizer, model_name=name,
-                  stop_ids=stop_token_ids(model), metrics=metrics)
+                  stop_ids=stop_token_ids(model), metrics=metrics, sampling_defaults=defaults)
