@@ -77,8 +77,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--num-steps", type=int, help="draft steps per iteration (tree depth)")
     sp.add_argument("--topk", type=int, help="branching per draft step (1 = chain)")
     sp.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, root included")
-    sp.add_argument("--verify", choices=["auto", "greedy", "target-only", "rejection"],
-                    help="auto (default): greedy rule for greedy requests, lossless rejection for sampled ones")
+    sp.add_argument("--verify", choices=["auto", "greedy", "target-only", "rejection", "coupled"],
+                    help="auto (default) = coupled: sampled output is plain sampling's with the same seed; "
+                    "rejection: recursive rejection sampling (exact in distribution)")
     sp.add_argument("--threshold-single", type=float, help="target-only verify; < 1 is NOT lossless")
     sp.add_argument("--threshold-acc", type=float, help="target-only verify; < 1 is NOT lossless")
     sp.add_argument("--draft-model", help="standalone: 'default', a HF dir or a .gguf (same tokenizer); eagle, "

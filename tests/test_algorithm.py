@@ -88,9 +88,10 @@ def test_capabilities_of_every_builtin():
                                      "dflash", "dspark")
 
 
-def test_auto_verify_is_lossless_rejection_for_every_drafter():
-    # Deterministic drafters are verified as one-hot proposals: no drafter needs target-only.
-    assert A.sampling_verify("auto") == "rejection"
+def test_auto_verify_is_the_coupled_rule_for_every_drafter():
+    # Coupled verify needs no q, so every drafter has it (test_coupled.py: it is plain sampling).
+    assert A.sampling_verify("auto") == "coupled"
+    assert A.sampling_verify("rejection") == "rejection"
     assert A.sampling_verify("target-only") == "target-only"
 
 
@@ -190,7 +191,7 @@ def test_valid_configs_pass_and_canonicalise():
     (dict(algorithm="mlp_speculator"), "algorithm 'mlp_speculator' needs a draft model: set spec.draft_model"),
     (dict(algorithm="dflash", topk=2), "spec.topk=2 needs a tree drafter, but algorithm 'dflash' drafts chains only"),
     (dict(algorithm="dspark", num_draft_tokens=1), "spec.num_draft_tokens must be >= 2 for algorithm 'dspark'"),
-    (dict(verify="typical"), r"spec.verify must be one of auto, greedy, target-only, rejection; got 'typical'"),
+    (dict(verify="typical"), r"spec.verify must be one of auto, greedy, target-only, rejection, coupled; got 'typical'"),
     (dict(verify="target_only"), "spec.verify must be one of"),
     (dict(threshold_single=0.0), r"spec.threshold_single must be in \(0, 1\]; got 0.0"),
     (dict(threshold_single=1.5), r"spec.threshold_single must be in \(0, 1\]"),

@@ -45,7 +45,7 @@ def heads(tiny, tmp_path_factory):  # noqa: F811
 
 
 def build_engine(model, heads, alg):
-    spec = SpecSection(algorithm=alg, draft_model=str(heads[alg]), num_draft_tokens=4,
+    spec = SpecSection(algorithm=alg, draft_model=str(heads[alg]), num_draft_tokens=4, verify="rejection",
                        sps_table=str(heads["table"]) if alg == "dspark" else "default")
     ecfg = EngineSection(max_batch_size=BATCH, batch_buckets=(BATCH,), max_context=32, length_buckets=(8, 16, 32),
                          page_size=4)
@@ -70,8 +70,8 @@ def test_block_drafter_with_a_wrong_q_fails(tiny, heads, monkeypatch):  # noqa: 
 
     real = block_mod.choose_draft
 
-    def uniform_q(logits, sampling, hist_len, depth, d2t, vocab, sample):
-        tok, q = real(logits, sampling, hist_len, depth, d2t, vocab, sample)
+    def uniform_q(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled=False):
+        tok, q = real(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled)
         return tok, jnp.full_like(q, 1.0 / vocab)
 
     monkeypatch.setattr(block_mod, "choose_draft", uniform_q)

@@ -91,6 +91,7 @@ def heads(tiny, tmp_path_factory):  # noqa: F811
 def spec_of(heads, name) -> SpecSection:
     alg, topk, steps, n = CASES[name]
     return SpecSection(algorithm=alg, draft_model=str(heads[alg]), topk=topk, num_steps=steps, num_draft_tokens=n,
+                       verify="rejection",
                        eagle3_layer_ids="input")
 
 
@@ -163,8 +164,8 @@ def test_loop_with_a_wrong_draft_q_fails(tiny, heads, exact, monkeypatch, kind):
 
     real = eagle_mod.choose_draft
 
-    def wrong_q(logits, sampling, hist_len, depth, d2t, vocab, sample):
-        tok, q = real(logits, sampling, hist_len, depth, d2t, vocab, sample)
+    def wrong_q(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled=False):
+        tok, q = real(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled)
         if kind == "uniform":
             return tok, jnp.full_like(q, 1.0 / vocab)
         return tok, jnp.zeros_like(q).at[:, : d2t.shape[0]].set(q[:, d2t])

@@ -133,9 +133,11 @@ def joint_counts(toks: np.ndarray) -> np.ndarray:
 
 
 SPECS = {
-    "ngram-chain": SpecSection(algorithm="ngram", num_draft_tokens=4),
-    "standalone-chain": SpecSection(algorithm="standalone", draft_layers=1, num_draft_tokens=3, num_steps=2),
-    "standalone-tree": SpecSection(algorithm="standalone", draft_layers=1, topk=2, num_steps=2, num_draft_tokens=4),
+    "ngram-chain": SpecSection(algorithm="ngram", num_draft_tokens=4, verify="rejection"),
+    "standalone-chain": SpecSection(algorithm="standalone", draft_layers=1, num_draft_tokens=3, num_steps=2,
+                                    verify="rejection"),
+    "standalone-tree": SpecSection(algorithm="standalone", draft_layers=1, topk=2, num_steps=2, num_draft_tokens=4,
+                                   verify="rejection"),
 }
 
 
@@ -165,7 +167,7 @@ def test_ngram_tree_and_a_small_batch_sample_the_target(tiny):
     """Issue 23 item 5: an n-gram tree (top-k 2: several continuations, one-hot verified) and a
     batch of 4, where batch-coupled effects would show, through the whole loop."""
     model, hf = tiny
-    tree = SpecSection(algorithm="ngram", topk=2, num_steps=2, num_draft_tokens=5)
+    tree = SpecSection(algorithm="ngram", topk=2, num_steps=2, num_draft_tokens=5, verify="rejection")
     toks, accepts = first_three(engine_for(model, tree), 1.0, 1.0)
     assert np.sum(accepts > 1) > 300
     assert chi_square_p(joint_counts(toks), exact_joint(hf, 1.0, 1.0)) > 1e-4

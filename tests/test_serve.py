@@ -143,6 +143,52 @@ def test_identical_prompts_of_one_request_sample_independently(served):
     assert same < n_same  # shared noise agrees every time
 
 
+def test_sampled_text_through_http_follows_the_exact_distribution(served, chat_model_dir):
+    """Issue 23 section 5: the loop's first two tokens at T = 1 / top-k 5, through the HTTP server
+    with speculation on (n-gram, the prompt repeats so it drafts) and the adaptive policy active,
+    chi-square tested against the exact distribution from the torch model's logits (texts: token
+    pairs that decode alike are pooled; a stop token ends the text). 150 unseeded requests x n 16."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_loop_distribution import chi_square_p
+
+    server, url = served
+    assert server.scheduler.adaptive is not None and max(server.runner.candidates) > 0
+    tok = server.tokenizer
+    prompt = tok.encode("one two one two one two one two", add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(chat_model_dir).eval()
+    stop = set(server.stop_ids)
+
+    def top5(ids):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        vals, idx = torch.topk(logits, 5)
+        return idx.tolist(), torch.softmax(vals, -1).tolist()
+
+    exact: dict[str, float] = {}
+    for t1, p1 in zip(*top5(prompt)):
+        if t1 in stop:
+            exact[""] = exact.get("", 0.0) + p1
+            continue
+        for t2, p2 in zip(*top5(prompt + [t1])):
+            text = tok.decode([t1] if t2 in stop else [t1, t2], skip_special_tokens=True)
+            exact[text] = exact.get(text, 0.0) + p1 * p2
+    c = client(url)
+    seen: dict[str, int] = {}
+    for _ in range(150):
+        r = c.completions.create(model=server.model_name, prompt=prompt, max_tokens=2, temperature=1.0, n=16,
+                                 extra_body={"top_k": 5})
+        for ch in r.choices:
+            seen[ch.text] = seen.get(ch.text, 0) + 1
+    assert set(seen) <= set(exact), set(seen) - set(exact)
+    keys = sorted(exact)
+    p = chi_square_p(np.array([seen.get(k, 0) for k in keys]), np.array([exact[k] for k in keys]))
+    assert p > 1e-3, (p, seen)
+    assert metric(url, "jaxspec_spec_verify_calls_total") > 0
+
+
 def test_stop_string_cuts_the_text_in_both_modes(served, reference):
     server, url = served
     c = client(url)

@@ -26,6 +26,7 @@ from jaxspec.config import EngineSection
 from jaxspec.engine import Engine, Request
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
+from jaxspec.serve.scheduler import SeqParams
 from jaxspec.serve.server import build_server
 from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head
 from tests.test_serve_scheduler import NEW, PROMPTS, config, run_all
@@ -170,6 +171,98 @@ def test_adaptive_k0_calls_keep_the_drafter_state(world):
     assert sched.adaptive.observed[0]  # the k > 0 calls' acceptance reached the policy
     bad, n = probe.mismatches()
     assert n > 50 and not bad, bad
+
+
+def _run_sampled(server, prompts, params, schedule):
+    """Step the scheduler over `prompts` with SeqParams `params` and the adaptive policy pinned to
+    cycle through `schedule` (draft lengths): the tokens per prompt."""
+    from jaxspec.serve.scheduler import Seq, Status
+
+    sched, got = server.scheduler, {}
+    used = []
+
+    def choose(bucket):
+        used.append(schedule[len(used) % len(schedule)])
+        return used[-1]
+
+    sched.adaptive.choose = choose
+    seqs = [Seq(list(p), sp, lambda e, i=i: got.setdefault(i, []).extend(e.token_ids))
+            for i, (p, sp) in enumerate(zip(prompts, params))]
+    for q in seqs:
+        sched.submit(q)
+    for _ in range(10_000):
+        if all(q.status == Status.FINISHED for q in seqs):
+            break
+        sched.step()
+    assert len(set(used)) > 1
+    return [got[i] for i in range(len(prompts))]
+
+
+SAMPLED_SPECS = {
+    "eagle3": lambda w, t: EAGLE3(w),
+    "medusa": lambda w, t: MEDUSA(w),
+    "dflash": lambda w, t: {"spec.algorithm": "dflash", "spec.draft_model": str(w["dflash"])},
+    "dspark": lambda w, t: {"spec.algorithm": "dspark", "spec.draft_model": str(w["dspark"]),
+                            "spec.sps_table": str(falling_table_at(t))},
+    "ngram": lambda w, t: {"spec.algorithm": "ngram"},
+}
+
+
+def falling_table_at(tmp_path):
+    from tests.test_block_drafters import falling_table
+
+    return falling_table(tmp_path / "sps.json")
+
+
+@pytest.mark.parametrize("alg", list(SAMPLED_SPECS))
+def test_seeded_sampling_reproduces_under_adaptive_speculation(world, tmp_path, alg):
+    """Issue 23: under the adaptive policy (and DSPARK's planner) a seeded request got other tokens
+    on a second try, among other rows, and as choice j vs seed + j. Under the default (coupled)
+    rule every seeded row gets plain sampling's tokens for its seed: the first pass (all sampled,
+    k cycling 0 / max / 1), a second pass on the same server (its policy history differs) with the
+    sampled rows in other slots among greedy ones, and seeds shifted by one slot (choice j = seed + j)."""
+    model = world["model"]
+    plain = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=128,
+                                                             length_buckets=(32, 64, 128)), progress=False)
+    kw = dict(temperature=1.0, top_k=40)
+    seeds = [1234 + i for i in range(len(PROMPTS))]
+    want = {s: r.output_ids for s, r in zip(seeds, plain.generate(
+        [Request(p, max_new_tokens=NEW, seed=s, **kw) for p, s in zip(PROMPTS, seeds)]))}
+    shifted = {s + 1: r.output_ids for s, r in zip(seeds, plain.generate(
+        [Request(p, max_new_tokens=NEW, seed=s + 1, **kw) for p, s in zip(PROMPTS, seeds)]))}
+    server = build_server(config(world["path"], **SAMPLED_SPECS[alg](world, tmp_path), **{"spec.verify": "auto"}),
+                          model=world["model"], progress=False)
+    top = max(server.runner.candidates)
+    assert server.scheduler.adaptive is not None and top > 1
+    sp = lambda s: SeqParams(max_new_tokens=NEW, seed=s, **kw)  # noqa: E731
+    got = _run_sampled(server, PROMPTS, [sp(s) for s in seeds], [0, top, top, 1, top])
+    assert got == [want[s] for s in seeds]
+    # 2. Reversed, sampled rows between greedy copies, another schedule.
+    prompts = [p for p in PROMPTS[::-1] for _ in (0, 1)]
+    params = [sp(s) if j == 0 else SeqParams(max_new_tokens=NEW) for s in seeds[::-1] for j in (0, 1)]
+    got = _run_sampled(server, prompts, params, [top, 1, 0, top])
+    assert got[::2] == [want[s] for s in seeds[::-1]]
+    # 3. Seeds + 1 (what choice 1 of an n = 2 request gets).
+    got = _run_sampled(server, PROMPTS, [sp(s + 1) for s in seeds], [top, 0])
+    assert got == [shifted[s + 1] for s in seeds]
+    assert server.runner.engine.allocator.num_used == 0
+
+
+def test_rejection_under_adaptive_speculation_is_not_reproducible_positive_control(world, tmp_path):
+    """The same first pass under --verify rejection: exact in distribution only, other tokens."""
+    model = world["model"]
+    plain = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=128,
+                                                             length_buckets=(32, 64, 128)), progress=False)
+    kw = dict(temperature=1.0, top_k=40)
+    seeds = [1234 + i for i in range(len(PROMPTS))]
+    want = [r.output_ids for r in plain.generate([Request(p, max_new_tokens=NEW, seed=s, **kw)
+                                                  for p, s in zip(PROMPTS, seeds)])]
+    server = build_server(config(world["path"], **SAMPLED_SPECS["ngram"](world, tmp_path),
+                                 **{"spec.verify": "rejection"}), model=world["model"], progress=False)
+    top = max(server.runner.candidates)
+    got = _run_sampled(server, PROMPTS, [SeqParams(max_new_tokens=NEW, seed=s, **kw) for s in seeds],
+                       [0, top, top, 1, top])
+    assert got != want
 
 
 def test_state_probe_detects_rows_sharing_one_slot(world):

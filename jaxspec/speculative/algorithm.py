@@ -124,14 +124,15 @@ ALIASES: dict[str, SpecAlgorithm] = {"nextn": SpecAlgorithm.EAGLE}
 # "auto": the greedy rule on greedy rows, a lossless sampling rule on sampled
 # rows, per row in one batch (`sampling_verify` picks the rule). "greedy" is
 # refused for a sampled request: it would silently ignore the temperature.
-VERIFY_MODES = ("auto", "greedy", "target-only", "rejection")
+VERIFY_MODES = ("auto", "greedy", "target-only", "rejection", "coupled")
 
 
 def sampling_verify(verify: str) -> str:
-    """The rule sampled rows get: `verify` itself, or for "auto" lossless
-    rejection (every drafter has it: draft probabilities where it provides
-    them, one-hot proposals where its drafts are deterministic)."""
-    return "rejection" if verify == "auto" else verify
+    """The rule sampled rows get: `verify` itself, or for "auto" the coupled rule: exact, and
+    the output of plain sampling with the same seed token for token, so a seeded request
+    reproduces whatever its batch, draft length or planner (issue 23). It keeps 97-98% of
+    rejection's tau on MT-Bench (docs/semantics.md); "rejection" remains one flag away."""
+    return "coupled" if verify == "auto" else verify
 
 
 def check_request_sampling(verify: str, temperature: float) -> None:

@@ -27,7 +27,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.pallas import use_kernel
 from jaxspec.speculative.commit import commit_accepted_kv
-from jaxspec.speculative.sampling import argmax_last, make_verify_noise, target_probs_from_logits
+from jaxspec.speculative.sampling import argmax_last, coupled_predict, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
 from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest
 from jaxspec.speculative.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
@@ -114,7 +114,8 @@ def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState):
 
     Noise: the step's key is (seed, hist_len), hist_len being the index of the
     first token this step emits (the root sits at hist_len - 1); see
-    `sampling.step_key`.
+    `sampling.step_key`. The coupled rule instead races each position with its
+    own index's noise (`sampling.position_noise`).
     """
 
     def greedy():
@@ -128,6 +129,10 @@ def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState):
 
     def sampled():
         probs = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+        if plan.sampled_rule == "coupled":
+            return verify_greedy(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling,
+                                 coupled_predict(probs, tree.depth, sp.seed, s.hist_len, plan.max_depth),
+                                 max_depth=plan.max_depth)
         uniforms, bonus_noise = make_verify_noise(sp.seed, s.hist_len, tokens.shape[1], logits.shape[-1])
         if plan.sampled_rule == "target-only":
             return verify_target_only(

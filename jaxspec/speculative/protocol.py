@@ -43,10 +43,13 @@ Calls (pure, jitted inside the engine's programs, except prepare_params):
       slots chunk.start.., `chunk.features` their target features).
   propose(params, state, s: SpecState) -> Proposal
       Draft the tree for loop state `s` (history, hist_len, page table, done,
-      sampling, corpus). A drafter that samples must key its noise with
-      `sampling.draft_key(seed, s.hist_len, depth)`, the step's noise key (see
-      `sampling.step_key`), so its draws are independent of every earlier
-      step's.
+      sampling, corpus). A drafter that samples draws its noise with
+      `sampling.draft_noise(seed, s.hist_len, depth, size, coupled)`, where
+      coupled = (plan.sampled_rule == "coupled"): under rejection that is the
+      step's own draft stream, independent of every earlier step's and of the
+      verify's coins (losslessness needs it); under the coupled rule it is the
+      target's race noise at the draft's position (any noise is exact there;
+      this one makes drafts land where the target's sample does).
   observe(params, state, committed: Committed, page_table) -> state
       The draft-extend after verify: the root and accepted drafts with their
       target features (SGLang's draft_extend_for_decode).

@@ -75,6 +75,51 @@ def draft_key(seed: Int[Array, ""], index: Int[Array, ""], depth: int | Int[Arra
     return jax.random.fold_in(key, jnp.asarray(depth).astype(jnp.uint32))
 
 
+def position_noise(
+    seeds: Int[Array, "B"],
+    start: Int[Array, "B"],
+    count: int,
+    vocab_size: int,
+) -> Float[Array, "B count V"]:
+    """The race noise of the tokens at indices start .. start+count-1, [B, count, V].
+
+    Entry [b, d] is the Exp(1) noise a plain decode step emitting index start+d races with
+    (`make_verify_noise`'s bonus noise at that position). THE COUPLED RULE's noise: a verify
+    that takes, at every position, the target's race under this noise emits exactly the
+    tokens plain sampling with the same seed emits, whatever was drafted.
+    """
+    offsets = jnp.arange(count, dtype=jnp.int32)
+
+    def one(seed, position):
+        keys = jax.vmap(lambda d: jax.random.fold_in(step_key(seed, position + d), _EXP_STREAM))(offsets)
+        return jax.vmap(lambda k: exp_noise(k, (vocab_size,)))(keys)
+
+    return jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(start).astype(jnp.int32))
+
+
+def draft_noise(
+    seeds: Int[Array, "B"],
+    hist_len: Int[Array, "B"],
+    depth: int,
+    size: int,
+    coupled: bool,
+    d2t: Int[Array, "Vd"] | None = None,
+    vocab_size: int | None = None,
+) -> Float[Array, "B Vd"]:
+    """The Exp(1) noise a sampling drafter races its depth-`depth` draft (1-based) with, [B, size].
+
+    Independent (rejection verify): the step's draft stream (`draft_key`), independent of the
+    verify's coins and bonus race, which losslessness of rejection needs. Coupled: the target's
+    own race noise at the draft's position hist_len + depth - 1 (seen through d2t for a reduced
+    draft vocabulary, whose tokens then race with their target ids' noise), so a draft that
+    follows q close to p lands on the token the target will race to (Gumbel-max coupling).
+    """
+    if not coupled:
+        return jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, depth), (size,)))(seeds, hist_len)
+    full = position_noise(seeds, hist_len + depth - 1, 1, vocab_size or size)[:, 0]
+    return full if d2t is None else full[:, d2t]
+
+
 def exp_noise(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "*shape"]:
     """Exp(1) samples that are never 0 nor inf.
 
@@ -130,6 +175,29 @@ def race_sample(
 ) -> Int[Array, "*batch"]:
     """Exponential race: index v with probability weights[v] / sum(weights)."""
     return argmax_last(weights / exp_noise)
+
+
+def coupled_predict(
+    probs: Float[Array, "B N V"],
+    depth: Int[Array, "B N"],
+    seeds: Int[Array, "B"],
+    hist_len: Int[Array, "B"],
+    max_depth: int,
+) -> Int[Array, "B N"]:
+    """THE COUPLED RULE: the token the target races to after each tree node, [B, N].
+
+    A node at depth d (root 0) predicts the token at index hist_len + d, so it races with
+    that index's noise: the very draw plain sampling makes there. Greedy verification of the
+    tree against these predictions then accepts a draft exactly when it equals the target's
+    sample, and emits the sample at the first miss, so the output is plain sampling with the
+    request's seed, token for token, whatever the drafter proposed, its draft shape, or the
+    batch: exact (every index's noise is independent of the history that set its p), and
+    reproducible by construction. The price: a draft is accepted with P(draft = sample),
+    which a coupled drafter (`draft_noise`) pushes toward, but not up to, sum min(p, q).
+    """
+    noise = position_noise(seeds, hist_len, max_depth + 1, probs.shape[-1])  # [B, D + 1, V]
+    at_node = jnp.take_along_axis(noise, jnp.clip(depth, 0, max_depth)[..., None], axis=1)  # [B, N, V]
+    return race_sample(probs, at_node).astype(jnp.int32)
 
 
 # Candidates the fast filter pre-selects per row, in tiers: 64 holds top-k 50 and most top-p

@@ -6,6 +6,7 @@ implement it too and come in through `algorithm.register`'s factory.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxspec.speculative.algorithm import SpecConfigError, plugin_factory
@@ -38,8 +39,8 @@ def build_drafter(plan: "SpecPlan", *, draft_cfg=None, catch_up_width: int = 0, 
             raise SpecConfigError("standalone speculation needs a draft model")
         return StandaloneDrafter(
             draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
-            sample_drafts=plan.sampled_rule == "rejection",
-            catch_up_width=catch_up_width,
+            sample_drafts=plan.sampled_rule in ("rejection", "coupled"),
+            catch_up_width=catch_up_width, coupled=plan.sampled_rule == "coupled",
         )
     if plan.algorithm in ("eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"):
         return _feature_drafter(plan, draft_cfg)
@@ -51,13 +52,19 @@ def build_drafter(plan: "SpecPlan", *, draft_cfg=None, catch_up_width: int = 0, 
 
 def _feature_drafter(plan: "SpecPlan", head) -> Drafter:
     from jaxspec.models.heads.config import HeadConfig
-    from jaxspec.speculative.drafters.eagle import EagleDrafter
-    from jaxspec.speculative.drafters.heads import MedusaDrafter, MLPSpeculatorDrafter, parse_choices
 
     if not isinstance(head, HeadConfig):
         raise SpecConfigError(f"spec.algorithm={plan.algorithm!r} needs a draft head (spec.draft_model: a head "
                               "directory in its published format)")
-    sample = plan.sampled_rule == "rejection"
+    sample = plan.sampled_rule in ("rejection", "coupled")
+    drafter = _head_drafter(plan, head, sample)
+    return dataclasses.replace(drafter, coupled=True) if plan.sampled_rule == "coupled" else drafter
+
+
+def _head_drafter(plan: "SpecPlan", head, sample: bool) -> Drafter:
+    from jaxspec.speculative.drafters.eagle import EagleDrafter
+    from jaxspec.speculative.drafters.heads import MedusaDrafter, MLPSpeculatorDrafter, parse_choices
+
     try:
         if head.kind == "medusa":
             choices = tuple(parse_choices(plan.tree_choices)) if plan.tree_choices else ()

@@ -104,6 +104,7 @@ class BlockDrafter(DrafterBase):
     sample_drafts: bool  # rejection verify on sampled rows: sample and return q
     # DSPARK's planner table (tokens, steps per second) as tuples, or None: verify every draft.
     sps_table: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+    coupled: bool = False  # coupled verify: drafts race with the target's noise (sampling.draft_noise)
 
     shares_target = ("embed", "head")
     # Sampled rows plan depth by depth (exact); False restores the joint plan that biased them,
@@ -194,7 +195,8 @@ class BlockDrafter(DrafterBase):
             base = logits[:, d - 1]
             if hc.markov_rank:
                 base = base + markov_bias(params["own"], prev)
-            tok, q = choose_draft(base, s.sampling, s.hist_len, d, None, hc.layer.vocab_size, self.sample_drafts)
+            tok, q = choose_draft(base, s.sampling, s.hist_len, d, None, hc.layer.vocab_size, self.sample_drafts,
+                                 self.coupled)
             drafts.append(tok)
             qs.append(q)
             odds.append(draft_log_odds(base))
@@ -202,7 +204,9 @@ class BlockDrafter(DrafterBase):
         prop = chain_proposal(root, drafts, qs, self.sample_drafts, state)
         if hc.confidence and self.sps_table is not None:
             prop = prop._replace(tokens=self._plan(params, h, jnp.stack(odds, 1), prop.tokens, s.done,
-                                                   (s.sampling.temperature > 0) if self.sample_drafts
+                                                   # Under the coupled rule any budget is exact.
+                                                   (s.sampling.temperature > 0)
+                                                   if self.sample_drafts and not self.coupled
                                                    else jnp.zeros_like(s.done)))
         return prop
 

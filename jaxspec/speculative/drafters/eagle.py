@@ -45,6 +45,7 @@ class EagleDrafter(DrafterBase):
     topk: int
     num_draft_tokens: int
     sample_drafts: bool  # rejection verify on sampled rows: chains sample and return q
+    coupled: bool = False  # coupled verify: the chain races with the target's noise (sampling.draft_noise)
 
     shares_target = ("embed", "head")
 
@@ -125,7 +126,7 @@ class EagleDrafter(DrafterBase):
         logits = out.logits[:, -1]
         for depth in range(1, n):
             tok, q = choose_draft(logits, s.sampling, s.hist_len, depth, d2t, self.head.layer.vocab_size,
-                                  self.sample_drafts)
+                                  self.sample_drafts, self.coupled)
             drafts.append(tok)
             qs.append(q)
             if depth < n - 1:

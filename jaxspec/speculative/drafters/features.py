@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
-from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
+from jaxspec.speculative.sampling import draft_noise, race_sample, target_probs_from_logits
 from jaxspec.speculative.types import Committed, Proposal
 
 
@@ -74,6 +74,7 @@ def choose_draft(
     d2t: Int[Array, "Vd"] | None,
     vocab: int,
     sample: bool,
+    coupled: bool = False,
 ) -> tuple[Int[Array, "B"], Float[Array, "B V"] | None]:
     """One chain draft from draft logits: (target token id, q over the TARGET vocabulary | None).
 
@@ -81,7 +82,9 @@ def choose_draft(
     own temperature / top-k / top-p applied to the draft logits, keyed by the
     step's draft key, with q returned over the target vocabulary (zero outside a
     reduced draft vocabulary, which `d2t` maps into it). Greedy rows of a sampled
-    batch get a one-hot q, so they stay exactly greedy.
+    batch get a one-hot q, so they stay exactly greedy. `coupled` (the coupled
+    verify rule): the race uses the target's own noise at the draft's position
+    (`sampling.draft_noise`).
     """
     def greedy():
         idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -92,7 +95,7 @@ def choose_draft(
 
     def sampled():
         q = target_probs_from_logits(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
-        noise = jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, depth), (q.shape[-1],)))(sampling.seed, hist_len)
+        noise = draft_noise(sampling.seed, hist_len, depth, q.shape[-1], coupled, d2t, vocab)
         idx = race_sample(q, noise).astype(jnp.int32)
         if d2t is None:
             return idx, q

@@ -100,6 +100,7 @@ class MedusaDrafter(_PendingOnly):
     num_draft_tokens: int
     sample_drafts: bool
     choices: tuple[tuple[int, ...], ...] = ()  # () = default_medusa_choices
+    coupled: bool = False  # coupled verify: chains race with the target's noise (sampling.draft_noise)
 
     def __post_init__(self):
         n = self.num_draft_tokens
@@ -136,7 +137,7 @@ class MedusaDrafter(_PendingOnly):
         n = self.num_draft_tokens
         if self.topk == 1:
             draws = [choose_draft(logits[:, depth - 1], s.sampling, s.hist_len, depth, None, logits.shape[-1],
-                                  self.sample_drafts) for depth in range(1, n)]
+                                  self.sample_drafts, self.coupled) for depth in range(1, n)]
             return chain_proposal(root, [t for t, _ in draws], [q for _, q in draws], self.sample_drafts, state)
         parents, ranks, depths = (np.asarray(x, np.int32) for x in self.tree)
         _, top = jax.lax.top_k(logits, self.topk)  # [B, heads, K]
@@ -151,6 +152,7 @@ class MLPSpeculatorDrafter(_PendingOnly):
     head: HeadConfig
     num_draft_tokens: int
     sample_drafts: bool
+    coupled: bool = False  # coupled verify: the chain races with the target's noise (sampling.draft_noise)
 
     def __post_init__(self):
         if self.num_draft_tokens - 1 > self.head.num_heads:
@@ -168,7 +170,8 @@ class MLPSpeculatorDrafter(_PendingOnly):
         drafts, qs, tok = [], [], root
         for i in range(self.num_draft_tokens - 1):
             st, logits = mlp_speculator_step(own, self.head, st, tok, i)
-            tok, q = choose_draft(logits, s.sampling, s.hist_len, i + 1, None, logits.shape[-1], self.sample_drafts)
+            tok, q = choose_draft(logits, s.sampling, s.hist_len, i + 1, None, logits.shape[-1], self.sample_drafts,
+                                 self.coupled)
             drafts.append(tok)
             qs.append(q)
         return chain_proposal(root, drafts, qs, self.sample_drafts, state)

@@ -28,7 +28,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, Proposal
-from jaxspec.speculative.sampling import draft_key, exp_noise, race_sample, target_probs_from_logits
+from jaxspec.speculative.sampling import draft_noise, race_sample, target_probs_from_logits
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 
 
@@ -50,6 +50,7 @@ class StandaloneDrafter(DrafterBase):
     # draft lengths (adaptive speculation) sets the widest one, so a step after
     # a deep one still feeds every committed token.
     catch_up_width: int = 0
+    coupled: bool = False  # coupled verify: the chain races with the target's noise (sampling.draft_noise)
 
     @property
     def draft_cache_cfg(self) -> ModelConfig:
@@ -123,8 +124,7 @@ class StandaloneDrafter(DrafterBase):
                     logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p
                 )[:, 0]
                 # The step's own key (first emitted index = hist_len), one subkey per depth.
-                noise = jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, step + 1), (q.shape[-1],)))(
-                    sampling.seed, hist_len)
+                noise = draft_noise(sampling.seed, hist_len, step + 1, q.shape[-1], self.coupled)
                 tok = race_sample(q, noise).astype(jnp.int32)
                 qs.append(q)
             else:
