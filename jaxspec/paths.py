@@ -62,7 +62,12 @@ def enable_compilation_cache(where: str = "", cache_dir: str | Path | None = Non
     or the caller) wins."""
     import jax
 
-    if where == "off" or jax.config.jax_compilation_cache_dir:
+    if where == "off":
+        return
+    from jaxspec import aot
+
+    aot.enable()  # compiled buckets too, found without tracing (jaxspec/aot.py)
+    if jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", where or str(cache_root(cache_dir) / "xla"))
     # Every bucket counts: the default skips programs compiled in under a second.

@@ -104,3 +104,9 @@ def served(chat_model_dir):
     yield server, thread.url
     thread.stop()
     server.shutdown()
+
+
+# Tests patch functions and module constants (wrong-q controls, select tiers) and then build
+# engines: they must compile what they patched, never load a stored executable keyed by the
+# unpatched source (jaxspec/aot.py). Subprocesses (CLI tests) inherit it; test_aot turns it on.
+os.environ.setdefault("JAXSPEC_EXECUTABLE_CACHE", "off")

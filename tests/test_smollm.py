@@ -93,3 +93,22 @@ def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec
     for p, res, ref in zip(prompts, results, hf_refs):
         assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
     assert engine.allocator.num_used == 0
+
+
+def test_fast_tokenizer_path_equals_autotokenizer(smollm):
+    """load_tokenizer skips AutoTokenizer (5 s of imports) for a plain tokenizer.json: the same
+    ids, texts, chat template and special tokens as AutoTokenizer, on multi-byte and special text."""
+    from transformers import AutoTokenizer
+
+    ours, auto = smollm.tokenizer, AutoTokenizer.from_pretrained(str(smollm.path))
+    assert type(ours).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    for text in ["Hello world", " leading space", "naïve café 日本語 😀", "def f(x):\n    return x",
+                 "<|im_start|>user\nhi<|im_end|>", *CHAT_PROMPTS[:3]]:
+        ids = auto.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids and ours.encode(text) == auto.encode(text)
+        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    m = [{"role": "user", "content": "Hi there"}]
+    assert (ours.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+            == auto.apply_chat_template(m, add_generation_prompt=True, tokenize=False))
+    assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == (
+        auto.eos_token_id, auto.bos_token_id, auto.all_special_ids)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import aot
 from jaxspec.cache.paged import KVCache, PageAllocator, ShardedPageAllocator, check_cache_fits
 from jaxspec.config import EngineSection
 from jaxspec.models import sharding as shd
@@ -387,9 +388,27 @@ class Engine:
                 todo.append(("decode", b, ctx))
         todo = list(dict.fromkeys(todo))
         for key in tqdm(todo, desc="compiling buckets", disable=not self.progress or not todo):
-            with self.mesh_context():  # shard_map'd kernels lower against the mesh in context
-                lowered = self.trace(key).lower()
-            self._compiled[key] = lowered.compile()
+            b, ctx = key[1], key[-1]
+            # Decode's inputs are prefill's outputs: prefill's input signature keys both.
+            args = self._prefill_args(*self._abstract_inputs(b, key[2] if key[0] == "prefill" else 1, ctx))
+            self._compiled[key] = aot.compile_cached((key, self.aot_parts(), aot.abstract_signature(args)),
+                                                     lambda key=key: self.lowered(key), self.before_load)
+
+    def aot_parts(self) -> tuple:
+        """What shapes this engine's programs besides the source and the inputs (`aot` keys)."""
+        return (repr(self.cfg), repr(self.ecfg), repr(self.spec_plan), repr(self.drafter), aot.code_of(self.drafter),
+                self.native_kernels, repr(self.mesh), self.split_pages)
+
+    def before_load(self) -> None:
+        """Register the native kernels' FFI targets a stored executable calls (a trace would)."""
+        if self.native_kernels:
+            from jaxspec.native.build import ensure_registered
+
+            ensure_registered()
+
+    def lowered(self, key: tuple):
+        with self.mesh_context():  # shard_map'd kernels lower against the mesh in context
+            return self.trace(key).lower()
 
     def trace(self, key: tuple) -> jax.stages.Traced:
         """The traced executable of a bucket key: ("prefill", batch, prompt_len, context) or

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import aot
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
 from jaxspec.engine.core import draft_cache_of, make_chunk_prefill_fn, row_state, spec_state, with_row_state
 from jaxspec.models import sharding as shd
@@ -231,15 +232,27 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         todo = [k for k in keys if k not in self._compiled]
+        e = self.engine
+        parts = (e.aot_parts(), repr(self.plans), self.steps_per_call, self.max_pages, self.num_slots)
         for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
-            with self.engine.mesh_context():  # shard_map'd kernels lower against the mesh in context
-                lowered = self.trace(key).lower()
-            self._compiled[key] = lowered.compile()
+            fn, args = self._trace_args(key)
+            self._compiled[key] = aot.compile_cached(("runner", key, parts, aot.abstract_signature(args)),
+                                                     lambda fn=fn, args=args: self._lower(fn, args), e.before_load)
             self.num_compiles += 1
+
+    def _lower(self, fn, args):
+        with self.engine.mesh_context():  # shard_map'd kernels lower against the mesh in context
+            return fn.trace(*args).lower()
 
     def trace(self, key: tuple) -> jax.stages.Traced:
         """The traced executable of a key of `all_keys`; `.lower(lowering_platforms=...)`
         lowers it for another platform (`jaxspec.bench.lower`)."""
+        fn, args = self._trace_args(key)
+        with self.engine.mesh_context():
+            return fn.trace(*args)
+
+    def _trace_args(self, key: tuple) -> tuple:
+        """(the jitted function, its abstract arguments) of a bucket key."""
         e = self.engine
         with e.mesh_context():
             if key[0] == "prefill":
@@ -247,11 +260,11 @@ class ModelRunner:
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
                 batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
                                             self._sampling_struct(b)), e.mesh, e.split_pages)
-                return self._prefill.trace(e.params, e.draft_params, self.store, batch[0], e.cache, *batch[1:])
+                return self._prefill, (e.params, e.draft_params, self.store, batch[0], e.cache, *batch[1:])
             _, k, b, ctx = key
             slots, state = shd.abstract_state((self._slots_struct(b), self._state_struct(b, ctx)), e.mesh,
                                               e.split_pages)
-            return self._decode[k].trace(e.params, e.draft_params, self.store, slots, state)
+            return self._decode[k], (e.params, e.draft_params, self.store, slots, state)
 
     def calibrate(self) -> None:
         """Time a decode call per (k, batch bucket, context bucket) on dummy rows: the

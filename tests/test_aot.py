@@ -1,0 +1,87 @@
+"""Stored executables (jaxspec/aot.py): a second engine of the same configuration loads its
+buckets without tracing, emits the same tokens, and any change of configuration, input shape or
+source is another key; a damaged file is compiled again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec import aot
+from jaxspec.config import EngineSection, SpecSection
+from jaxspec.engine import Engine, Request
+
+ECFG = EngineSection(max_batch_size=2, batch_buckets=(2,), max_context=64, length_buckets=(16, 64), page_size=4)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The store in tmp_path, and a count of the real compiles (misses)."""
+    monkeypatch.setattr(aot, "store_dir", lambda: tmp_path)
+    calls = []
+    real = aot._compile
+
+    def counting(build, fresh=False):
+        calls.append(fresh)
+        return real(build, fresh)
+
+    monkeypatch.setattr(aot, "_compile", counting)
+    return tmp_path, calls
+
+
+def reqs():
+    rng = np.random.default_rng(0)
+    return [Request([int(t) for t in rng.integers(3, 200, 7)], max_new_tokens=10, temperature=t, seed=5)
+            for t in (0.0, 1.0)]
+
+
+def run(model, spec=None, ecfg=ECFG):
+    return [r.output_ids for r in Engine(model.params, model.config, ecfg, progress=False, spec=spec).generate(reqs())]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dirs):
+    from jaxspec.models.loading import load_model
+
+    return load_model(str(tiny_dirs["llama"][0]), progress=False)
+
+
+def test_second_engine_loads_every_bucket_and_emits_the_same_tokens(llama, store, monkeypatch):
+    d, calls = store
+    spec = SpecSection(algorithm="ngram", num_draft_tokens=4)
+    plain_ref = run(llama)  # misses: compiled and stored
+    spec_ref = run(llama, spec)
+    first = len(calls)
+    assert first == 4 and len(list(d.glob("*.exe"))) == 4  # prefill + decode, plain and speculative
+    assert run(llama) == plain_ref and run(llama, spec) == spec_ref
+    assert len(calls) == first  # no compile: all four loaded
+    # Another configuration is another key: a wider context bucket, another draft length.
+    run(llama, spec, EngineSection(**{**ECFG.__dict__, "length_buckets": (16, 32, 64)}))
+    assert len(calls) > first
+    n = len(calls)
+    assert run(llama, SpecSection(algorithm="ngram", num_draft_tokens=3))[0] == plain_ref[0]  # greedy row: exact
+    assert len(calls) > n
+
+
+def test_source_change_and_damaged_file_compile_again(llama, store, monkeypatch, caplog):
+    d, calls = store
+    ref = run(llama)
+    n = len(calls)
+    for f in d.glob("*.exe"):
+        f.write_bytes(b"garbage")
+    assert run(llama) == ref
+    assert len(calls) == 2 * n and "did not load" in caplog.text
+    monkeypatch.setattr(aot, "source_fingerprint", lambda: "another source tree")
+    assert run(llama) == ref
+    assert len(calls) == 3 * n
+
+
+def test_the_store_is_off_unless_enabled_and_under_the_suite(monkeypatch, tmp_path):
+    monkeypatch.setattr(aot.jax, "config", type("C", (), {"jax_compilation_cache_dir": str(tmp_path)})())
+    monkeypatch.setitem(aot._ENABLED, "on", False)
+    assert aot.store_dir() is None
+    aot.enable()
+    monkeypatch.setenv("JAXSPEC_EXECUTABLE_CACHE", "off")
+    assert aot.store_dir() is None
+    monkeypatch.delenv("JAXSPEC_EXECUTABLE_CACHE")
+    assert aot.store_dir() == tmp_path / "executables"
