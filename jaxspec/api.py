@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxspec.config import Config, ConfigValueError, EngineSection, SpecSection, load_config
+from jaxspec.config import Config, ConfigValueError, EngineSection, SpecSection, apply_overrides, load_config
 from jaxspec.prompts import PromptError, encode_entry
 from jaxspec.sampling_params import SamplingError, SamplingParams, sampling_list
 
@@ -152,6 +152,12 @@ def config_for(model: str, spec: Any, draft_model: str | None, dtype: str, optio
         if key not in OPTION_SECTIONS:
             raise ConfigValueError(f"unknown option {key!r}; valid options: {', '.join(sorted(OPTION_SECTIONS))}")
         overrides[f"{OPTION_SECTIONS[key]}.{key}"] = value
+    from jaxspec.models.loading import sampling_overrides
+
+    # The model's generation_config.json sits under everything the call says (vLLM's LLM does the same).
+    gen = sampling_overrides(model, overrides.get("model.cache_dir") or None)
+    if gen:
+        base = apply_overrides(base or load_config(None), gen)
     return load_config(None, overrides, base=base)  # an option beats the spec dict, as a later --set would
 
 

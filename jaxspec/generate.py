@@ -144,6 +144,21 @@ def config_from_args(args, *, base=None, extra_keys: dict[str, str] | None = Non
     return load_config(args.config, overrides, base=base)
 
 
+def with_model_sampling(cfg, rebuild, quiet: bool = False):
+    """`cfg` rebuilt over the model's generation_config.json sampling defaults (vLLM's
+    --generation-config auto): config defaults < the model's < --config < --set < flags."""
+    from jaxspec.config import apply_overrides, load_config
+    from jaxspec.models.loading import sampling_overrides
+
+    gen = sampling_overrides(cfg.model.path, cfg.model.cache_dir or None)
+    if not gen:
+        return cfg
+    if not quiet:
+        print("sampling defaults from the model's generation_config.json: "
+              + ", ".join(f"{k.split('.')[1]}={v}" for k, v in gen.items()), file=sys.stderr)
+    return rebuild(apply_overrides(load_config(None), gen))
+
+
 INPUT_FIELDS = frozenset({"messages", "prompt", "prompt_ids", "_where"})
 
 
@@ -198,6 +213,7 @@ def run(args) -> int:
 
     mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
     cfg = config_from_args(args)
+    cfg = with_model_sampling(cfg, lambda base: config_from_args(args, base=base), args.quiet)
     spec_on = cfg.spec.algorithm.lower() != "none"
     if args.profile_phases and not spec_on:
         raise ConfigValueError("--profile-phases times the phases of speculative decoding: it needs --spec")

@@ -183,3 +183,32 @@ def test_server_reads_generation_config_unless_told_not_to(tiny_dirs, tmp_path):
     off = build_server(config(d, **{"spec.algorithm": "ngram", "serve.generation_config": "none"}), model=model,
                        progress=False)
     assert off.sampling_defaults == {}
+
+
+def test_cli_and_llm_layer_the_models_sampling_defaults_under_the_users(tiny_dirs, tmp_path):
+    """The CLI and LLM(...) take generation_config.json's values where the user sets none; a flag
+    or --set wins (an LLM call's own SamplingParams too); the embedded model gives none (greedy)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from jaxspec.api import config_for
+    from jaxspec.generate import config_from_args, with_model_sampling
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dirs["llama"][0], d)
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+
+    def cli(**flags):
+        args = SimpleNamespace(config=None, set=flags.pop("set", []), model=str(d), **flags)
+        return with_model_sampling(config_from_args(args), lambda base: config_from_args(args, base=base), True)
+
+    s = cli().sampling
+    assert (s.temperature, s.top_p) == (0.6, 0.9)
+    s = cli(temperature=0.0).sampling  # a flag wins
+    assert (s.temperature, s.top_p) == (0.0, 0.9)
+    s = cli(set=["sampling.top_p=0.5"]).sampling
+    assert (s.temperature, s.top_p) == (0.6, 0.5)
+    # LLM(...): its default_sampling (what generate uses without a SamplingParams) is the model's.
+    s = config_for(str(d), None, None, "float32", {}).sampling
+    assert (s.temperature, s.top_p) == (0.6, 0.9)
+    assert config_for("default", None, None, "float32", {}).sampling.temperature == 0.0

@@ -336,6 +336,18 @@ def generation_defaults(model_dir: str | Path) -> dict[str, float | int]:
     return out
 
 
+def sampling_overrides(model: str, cache_dir: str | Path | None = None) -> dict[str, float | int]:
+    """{"sampling.temperature": ..., ...} from the generation_config.json of the model a config
+    names ("default", a .gguf, or a directory), for the CLI and LLM(...) to layer under the
+    user's own settings; {} when the model gives none or does not exist (loading reports that)."""
+    path = default_gguf_path() if model == "default" else Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        path = cached_gguf_dir(path, cache_dir, progress=False)
+    if not path.is_dir():
+        return {}
+    return {f"sampling.{k}": v for k, v in generation_defaults(path).items()}
+
+
 __all__ = [
     "ConfigError",
     "LoadError",
@@ -344,6 +356,7 @@ __all__ = [
     "convert_gguf",
     "default_gguf_path",
     "generation_defaults",
+    "sampling_overrides",
     "load_hf_dir",
     "load_model",
 ]
