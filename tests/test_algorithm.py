@@ -61,19 +61,18 @@ def test_non_string_name():
 
 # ---------------------------------------------------------------- capabilities
 
-CAPS = ("needs_draft_model", "needs_draft_kv_cache", "needs_target_hidden_states",
-        "supports_tree", "provides_draft_probs", "implemented", "speculative")
+CAPS = ("needs_draft_model", "supports_tree", "drafts_in_steps", "implemented", "speculative")
 EXPECTED = {
-    #                  model  kv     hidden tree   probs  impl   spec
-    "none":           (False, False, False, False, False, True, False),
-    "ngram":          (False, False, False, True, False, True, True),
-    "standalone":     (True, True, False, True, True, True, True),
-    "eagle":          (True, True, True, True, True, True, True),
-    "eagle3":         (True, True, True, True, True, True, True),
-    "medusa":         (True, False, True, True, True, True, True),
-    "mlp_speculator": (True, False, True, False, True, True, True),
-    "dflash":         (True, True, True, False, True, True, True),
-    "dspark":         (True, True, True, False, True, True, True),
+    #                  model  tree   steps  impl   spec
+    "none":           (False, False, True, True, False),
+    "ngram":          (False, True, False, True, True),
+    "standalone":     (True, True, True, True, True),
+    "eagle":          (True, True, True, True, True),
+    "eagle3":         (True, True, True, True, True),
+    "medusa":         (True, True, True, True, True),
+    "mlp_speculator": (True, False, True, True, True),
+    "dflash":         (True, False, False, True, True),
+    "dspark":         (True, False, False, True, True),
 }
 
 

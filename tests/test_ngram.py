@@ -1,6 +1,6 @@
 """N-gram drafter: device proposal == plain-Python reference of the documented
 rule, tree-convention and "really follows an occurrence" properties, edge
-cases, merge_extra, and the host corpus against a brute force. Shapes come from
+cases, and the corpus reader. Shapes come from
 a small fixed set so jit caches hit."""
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxspec.speculative.ngram import NgramCorpus, merge_extra, ngram_propose
+from jaxspec.speculative.ngram import ngram_propose
 
 B, C = 3, 20
 # (num_draft_tokens, topk, min_match, max_match[, draft_tokens_by_match])
 CONFIGS = ((1, 1, 1, 2), (6, 1, 1, 3), (8, 1, 2, 4), (5, 2, 2, 2), (8, 3, 1, 3),
            (12, 4, 1, 4), (8, 1, 1, 4, (3,)), (8, 3, 1, 3, (2, 4)), (6, 1, 1, 3, (1, 1, 2)))
-EXTRA = 4
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -104,32 +103,6 @@ def follows_occurrence(h, length, path, min_match, max_match):
             if h[q - n : q] == h[length - n :]:
                 return True
     return False
-
-
-def ref_merge(tokens, parents, extra, chain):
-    tokens, parents = list(tokens), list(parents)
-    n = len(tokens)
-    ext = []
-    for t in extra:
-        if t < 0:
-            break
-        ext.append(int(t))
-    num_real = next((i for i in range(1, n) if tokens[i] < 0), n)
-    cur, m = 0, 0
-    while m < len(ext):
-        kids = [i for i in range(1, num_real) if parents[i] == cur and tokens[i] == ext[m]]
-        if not kids:
-            break
-        cur, m = kids[0], m + 1
-    if chain and cur != num_real - 1:
-        return tokens, parents
-    slot = num_real
-    for t in ext[m:]:
-        if slot >= n:
-            break
-        tokens[slot], parents[slot] = t, cur
-        cur, slot = slot, slot + 1
-    return tokens, parents
 
 
 def run_device(hist, lens, cfg):
@@ -244,139 +217,45 @@ def test_bad_config():
 
 
 # --------------------------------------------------------------------------
-# merge_extra
+# The corpus (`read_corpus`, `corpus_token_array`)
 # --------------------------------------------------------------------------
-
-
-@settings(max_examples=60, **SETTINGS)
-@given(data=histories(), cfg=st.sampled_from([c for c in CONFIGS if c[0] > 1]),
-       seed=st.integers(0, 2**32 - 1))
-def test_merge_matches_reference(data, cfg, seed):
-    hist, lens = data
-    tok, par = run_device(hist, lens, cfg)
-    rnd = np.random.default_rng(seed)
-    extra = rnd.integers(0, 3, size=(B, EXTRA)).astype(np.int32)
-    cut = rnd.integers(0, EXTRA + 1, size=B)
-    extra[np.arange(EXTRA)[None, :] >= cut[:, None]] = -1
-    chain = cfg[1] == 1
-    mt, mp = merge_extra(jnp.asarray(tok), jnp.asarray(par), jnp.asarray(extra), chain=chain)
-    mt, mp = np.asarray(mt), np.asarray(mp)
-    for b in range(B):
-        want_t, want_p = ref_merge(tok[b].tolist(), par[b].tolist(), extra[b].tolist(), chain)
-        assert mt[b].tolist() == want_t and mp[b].tolist() == want_p
-        check_convention(want_t, want_p, int(tok[b, 0]), chain)
-
-
-def test_merge_examples():
-    tok = jnp.array([[3, 9, 8, 1, -1, -1]], jnp.int32)
-    par = jnp.array([[-1, 0, 0, 1, 0, 0]], jnp.int32)
-    t, p = merge_extra(tok, par, jnp.array([[9, 1, 3, 4]], jnp.int32))
-    assert t.tolist() == [[3, 9, 8, 1, 3, 4]] and p.tolist() == [[-1, 0, 0, 1, 3, 4]]
-    t, p = merge_extra(tok, par, jnp.array([[7, 6, -1, 5]], jnp.int32))  # new root branch
-    assert t.tolist() == [[3, 9, 8, 1, 7, 6]] and p.tolist() == [[-1, 0, 0, 1, 0, 4]]
-    t, _ = merge_extra(tok, par, jnp.array([[9, 1, -1, -1]], jnp.int32))  # already there
-    assert t.tolist() == tok.tolist()
-    chain_par = jnp.array([[-1, 0, 0, 0]], jnp.int32)
-    for drafts, extra, want in [([3, -1, -1, -1], [5, 6, 7, 8, 9], [3, 5, 6, 7]),
-                                ([3, 5, -1, -1], [5, 6], [3, 5, 6, -1]),
-                                ([3, 4, -1, -1], [5, 6], [3, 4, -1, -1])]:
-        t, p = merge_extra(jnp.array([drafts], jnp.int32), chain_par,
-                           jnp.array([extra], jnp.int32), chain=True)
-        assert t.tolist() == [want]
-        assert p.tolist() == [[-1] + [i if want[i + 1] >= 0 else 0 for i in range(3)]]
-
-
-# --------------------------------------------------------------------------
-# Host corpus
-# --------------------------------------------------------------------------
-
-
-def brute_lookup(docs, ctx, k, lo, hi):
-    for n in range(min(hi, len(ctx)), lo - 1, -1):
-        best = None
-        for d, doc in enumerate(docs):
-            for q in range(n, len(doc)):
-                if list(doc[q - n : q]) == list(ctx[len(ctx) - n :]):
-                    key = (min(len(doc) - q, k), d, q)
-                    if best is None or key > best[0]:
-                        best = (key, list(doc[q : q + k]))
-        if best is not None:
-            return best[1]
-    return []
-
-
-@settings(max_examples=60, **SETTINGS)
-@given(seed=st.integers(0, 2**32 - 1), lo=st.integers(1, 2), hi=st.integers(2, 4),
-       k=st.integers(1, 6))
-def test_corpus_matches_brute_force(seed, lo, hi, k):
-    rnd = np.random.default_rng(seed)
-    docs = [rnd.integers(0, 3, size=rnd.integers(0, 12)).tolist() for _ in range(4)]
-    corpus = NgramCorpus(min_match=lo, max_match=hi, max_occurrences=1000)
-    for doc in docs:
-        corpus.add(doc)
-    kept = [d for d in docs if len(d) >= 2]
-    ctxs = [rnd.integers(0, 3, size=rnd.integers(0, 6)).tolist() for _ in range(4)]
-    extra = corpus.lookup_batch(ctxs, k)
-    assert extra.shape == (4, k) and extra.dtype == np.int32
-    for i, ctx in enumerate(ctxs):
-        want = brute_lookup(kept, ctx, k, lo, hi)
-        assert corpus.lookup(ctx, k) == want
-        assert extra[i].tolist() == want + [-1] * (k - len(want))
-
-
-def test_corpus_bounds_and_eviction():
-    corpus = NgramCorpus(min_match=1, max_match=2, max_tokens=10, max_occurrences=2)
-    corpus.add([1, 2, 3, 4, 5])
-    assert corpus.lookup([9, 1, 2], 3) == [3, 4, 5]
-    corpus.add([6, 2, 7, 8])
-    assert corpus.lookup([1, 2], 2) == [3, 4]  # 2-gram beats the newer 1-gram
-    assert corpus.lookup([2], 2) == [7, 8]  # most recent among full continuations
-    corpus.add([2, 9, 9])  # 12 tokens > 10: the first document goes
-    assert len(corpus) == 2 and corpus.num_tokens == 7
-    assert corpus.lookup([1, 2], 2) == [9, 9]  # (1, 2) left with doc 0; newest [2]
-    assert not any(d == 0 for occ in corpus._index.values() for d, _ in occ)
-    corpus.add([2, 5, 2, 6])  # [2] now occurs 4 times; only the last 2 are kept
-    assert len(corpus._index[(2,)]) == 2
-    corpus.add(list(range(100, 130)))  # longer than the bound: keeps the tail
-    assert corpus.num_tokens == 10 and corpus.lookup([125], 3) == [126, 127, 128]
-    assert corpus.lookup([], 3) == [] and corpus.lookup([1, 2], 0) == []
 
 
 def test_corpus_jsonl(tmp_path):
+    from jaxspec.speculative.ngram import read_corpus
+
     path = tmp_path / "corpus.jsonl"
     lines = [{"prompt_ids": [1, 2], "output_ids": [3, 4]}, {"output_ids": [5, 6, 7]}, {},
              {"text": "a b c"}]
     path.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n")
-    corpus = NgramCorpus.from_jsonl(path, max_match=2)
-    assert len(corpus) == 2 and corpus.lookup([2], 2) == [3, 4]
-    assert corpus.lookup([6], 2) == [7]
+    assert read_corpus(path) == [[1, 2, 3, 4], [5, 6, 7]]
 
     class Tok:
         def encode(self, text, add_special_tokens=True):
             return [ord(ch) for ch in text] + ([0] if add_special_tokens else [])
 
     path.write_text(json.dumps(lines[3]) + "\n")
-    corpus = NgramCorpus.from_jsonl(path, Tok())
-    assert corpus.lookup([ord("a")], 4) == [ord(ch) for ch in " b c"]
-    assert NgramCorpus.from_jsonl(path, lambda s: [len(s), 1]).lookup([5], 1) == [1]
+    assert read_corpus(path, Tok()) == [[ord(ch) for ch in "a b c"]]  # no special tokens added
+    assert read_corpus(path, lambda s: [len(s), 1]) == [[5, 1]]
     with pytest.raises(ValueError, match="tokenizer"):
-        NgramCorpus.from_jsonl(path)
+        read_corpus(path)
     path.write_text(json.dumps(lines[2]) + "\n")
     with pytest.raises(ValueError, match="expected"):
-        NgramCorpus.from_jsonl(path)
+        read_corpus(path)
 
 
-def test_corpus_extra_into_device_proposal():
-    """End to end: no match in the own history, the corpus fills the chain."""
-    corpus = NgramCorpus()
-    corpus.add([10, 11, 12, 13, 14])
-    hist = np.zeros((B, C), np.int32)
-    hist[:, :3] = [20, 21, 11]
-    lens = np.full((B,), 3, np.int32)
-    tok, par = run_device(hist, lens, (4, 1, 1, 3))
-    extra = corpus.lookup_batch([hist[b, : lens[b]].tolist() for b in range(B)], 3)
-    t, p = merge_extra(jnp.asarray(tok), jnp.asarray(par), jnp.asarray(extra), chain=True)
-    assert t.tolist()[0] == [11, 12, 13, 14] and p.tolist()[0] == [-1, 0, 1, 2]
+def test_corpus_array_keeps_the_newest_tokens_and_drops_single_tokens(tmp_path):
+    """Documents of one token are dropped (nothing follows them); past max_tokens the oldest go,
+    a cut document starts at a separator, and a document longer than the bound keeps its tail."""
+    from jaxspec.speculative.ngram import CORPUS_SEPARATOR as S
+    from jaxspec.speculative.ngram import corpus_token_array
+
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": d}) + "\n" for d in ([1, 2, 3], [9], [4, 5, 6, 7])))
+    assert corpus_token_array(path).tolist() == [S, 1, 2, 3, S, 4, 5, 6, 7, S]
+    assert corpus_token_array(path, max_tokens=7).tolist() == [S, S, 4, 5, 6, 7, S]  # "3" cut: a separator first
+    path.write_text(json.dumps({"prompt_ids": list(range(100, 130))}) + "\n")
+    assert corpus_token_array(path, max_tokens=5).tolist() == [S, 127, 128, 129, S]
 
 
 def test_prepended_corpus_supplies_drafts_and_separators_stop_continuations(tmp_path):
@@ -432,14 +311,14 @@ def test_corpus_id_outside_vocab_is_refused_at_load(tmp_path, bad):
 
 
 def test_corpus_text_lines_are_checked_too(tmp_path):
-    from jaxspec.speculative.ngram import CorpusError, NgramCorpus
+    from jaxspec.speculative.ngram import CorpusError, read_corpus
 
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"text": "abc"}) + "\n")
     # A tokenizer whose ids reach past the model's vocabulary (added tokens).
-    assert len(NgramCorpus.from_jsonl(path, lambda s: [ord(c) for c in s], vocab_size=100)) == 1
+    assert len(read_corpus(path, lambda s: [ord(c) for c in s], vocab_size=100)) == 1
     with pytest.raises(CorpusError, match=r"c.jsonl:1: token id 99 .*vocabulary of 99 ids"):
-        NgramCorpus.from_jsonl(path, lambda s: [ord(c) for c in s], vocab_size=99)
+        read_corpus(path, lambda s: [ord(c) for c in s], vocab_size=99)
 
 
 def test_corpus_without_vocab_size_still_refuses_negative_ids(tmp_path):

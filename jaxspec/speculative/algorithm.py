@@ -8,7 +8,9 @@ what `[spec] algorithm` holds after `validate_spec_config`.
 
 What an algorithm needs and supports is plain data (`AlgorithmInfo`), looked up
 with `algorithm_info(name)`, so the engine branches on capabilities
-(`info.needs_draft_kv_cache`) rather than on algorithm identity. Plugins add
+(`info.supports_tree`) rather than on algorithm identity; what a drafter needs at run
+time (a draft cache, target features, draft probabilities) its drafter object declares
+(`protocol.py`). Plugins add
 algorithms at runtime with `register(name, info, factory)`; they are not enum
 members, so code that must handle plugins goes through `canonical_name` /
 `algorithm_info` / `plugin_factory` instead of `SpecAlgorithm`.
@@ -63,13 +65,7 @@ class AlgorithmInfo:
     """Capabilities of one algorithm. Defaults describe a generic drafter."""
 
     needs_draft_model: bool = False  # loads extra draft weights
-    needs_draft_kv_cache: bool = False  # the drafter attends over its own paged KV
-    needs_target_hidden_states: bool = False  # the target forward must return features
     supports_tree: bool = False  # can draft topk > 1 trees (else chains only)
-    # Sampled rows get the proposal distribution each draft was sampled from.
-    # Without it rejection verify is still lossless: a deterministic draft is
-    # a one-hot proposal (it only accepts less than a sampled one would).
-    provides_draft_probs: bool = False
     # Draft trees grow one model step per level, so num_steps bounds their
     # depth and num_draft_tokens <= 1 + topk + (num_steps-1)*topk^2. N-gram
     # lookups have no steps: their depth is bounded by num_draft_tokens alone.
@@ -89,34 +85,29 @@ _BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
         supports_tree=True, drafts_in_steps=False, variable_draft_width=True,
         description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
     SpecAlgorithm.STANDALONE: AlgorithmInfo(
-        needs_draft_model=True, needs_draft_kv_cache=True, supports_tree=True, provides_draft_probs=True,
+        needs_draft_model=True, supports_tree=True,
         description="a smaller LM (or the target's first layers) drafts token by token"),
     SpecAlgorithm.EAGLE: AlgorithmInfo(
-        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        supports_tree=True, provides_draft_probs=True,
+        needs_draft_model=True, supports_tree=True,
         description="EAGLE-1 head with EAGLE-2 dynamic trees (also NEXTN/MTP layers of the target)"),
     SpecAlgorithm.EAGLE3: AlgorithmInfo(
-        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        supports_tree=True, provides_draft_probs=True,
+        needs_draft_model=True, supports_tree=True,
         description="EAGLE-3 head on multi-layer target features, reduced draft vocabulary"),
-    # Medusa heads are MLPs on the last hidden state: no attention, so no draft KV.
     SpecAlgorithm.MEDUSA: AlgorithmInfo(
-        needs_draft_model=True, needs_target_hidden_states=True, supports_tree=True, provides_draft_probs=True,
+        needs_draft_model=True, supports_tree=True,
         description="Medusa parallel decoding heads (tree from medusa choices)"),
     SpecAlgorithm.MLP_SPECULATOR: AlgorithmInfo(
-        needs_draft_model=True, needs_target_hidden_states=True, provides_draft_probs=True,
+        needs_draft_model=True,
         description="IBM MLP speculator: n_predict MLP stages on the last hidden state"),
     # Block drafters emit a whole chain per forward; their depth is the block, not
     # a number of steps. Sampled rows draw each position from the block's own
     # distribution, which is their q. DSPARK's planner cuts rows short (-1
     # padding), so its verify runs at the narrowest width holding the batch.
     SpecAlgorithm.DFLASH: AlgorithmInfo(
-        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        provides_draft_probs=True, drafts_in_steps=False,
+        needs_draft_model=True, drafts_in_steps=False,
         description="DFlash block drafter: the whole chain in one forward over [root, MASK...]"),
     SpecAlgorithm.DSPARK: AlgorithmInfo(
-        needs_draft_model=True, needs_draft_kv_cache=True, needs_target_hidden_states=True,
-        provides_draft_probs=True, drafts_in_steps=False, variable_draft_width=True,
+        needs_draft_model=True, drafts_in_steps=False, variable_draft_width=True,
         description="DSpark: a DFlash block with a Markov head and a confidence planner (ragged verify)"),
 }
 

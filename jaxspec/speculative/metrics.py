@@ -250,26 +250,6 @@ def merge_metrics(metrics: Iterable[SpecMetrics]) -> SpecMetrics:
     return total
 
 
-def batch_metrics(
-    accept_lengths: Sequence[IntSeq],
-    num_proposed: int | Sequence[int | IntSeq],
-) -> tuple[list[SpecMetrics], SpecMetrics]:
-    """(per-request metrics, their aggregate) for a batch.
-
-    num_proposed is one int for every step of every request, or one entry per
-    request (an int or a per-step sequence, as in `request_metrics`).
-    """
-    if _is_scalar(num_proposed):
-        per_req_prop: Sequence[Any] = [num_proposed] * len(accept_lengths)
-    else:
-        per_req_prop = list(num_proposed)  # type: ignore[arg-type]
-        if len(per_req_prop) != len(accept_lengths):
-            raise ValueError(f"num_proposed has {len(per_req_prop)} entries for "
-                             f"{len(accept_lengths)} requests")
-    per = [request_metrics(a, p) for a, p in zip(accept_lengths, per_req_prop)]
-    return per, merge_metrics(per)
-
-
 # --------------------------------------------------------------------------
 # Phase timing
 # --------------------------------------------------------------------------

@@ -54,27 +54,19 @@ steps at the free width while a longer match still drafts the whole chain,
 so min_match = 1 adds the accepted drafts of 1-gram matches without paying
 for full-width verifies of the rejected ones.
 
-HOST CORPUS (`NgramCorpus`). Continuations from an external JSONL corpus
-(`--ngram-corpus FILE`) and from other requests' outputs (`add`), looked up on
-the host with the same rule (longest suffix n-gram, then longest clipped
-continuation, then most recent). `lookup_batch` returns extra [B, K_extra]
-int32 (-1 padded) for the current contexts and the jitted `merge_extra` puts
-it into the device proposal. Cost: the lookup needs the contexts after the
-previous step's commits and its result must reach the device before the next
-draft, so using the corpus adds ONE host round trip per device call (engine
-step, which commits several tokens), not per token, and it stops the host
-from running steps ahead asynchronously. Without a corpus nothing leaves the
-device.
+THE CORPUS (`corpus_token_array`). An external JSONL corpus (`--ngram-corpus FILE`) becomes
+one flat int32 array on device, documents joined by CORPUS_SEPARATOR, which the loop prepends
+to every sequence's history: matches can come from the corpus with no host round trip, and
+nothing leaves the device.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -293,77 +285,6 @@ def ngram_propose(
     return _branches_to_tree(root, btok, lengths, num_draft_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("chain",))
-def merge_extra(
-    tokens: Int[Array, "B N"],  # a proposal in the tree convention
-    parents: Int[Array, "B N"],  # [B, N]; ignored beyond padding detection if chain
-    extra: Int[Array, "B E"],  # candidate continuation of the root, -1 padded
-    *,
-    chain: bool = False,
-) -> tuple[Int[Array, "B N"], Int[Array, "B N"]]:
-    """Add a host-side continuation (e.g. `NgramCorpus.lookup_batch`) to a
-    proposal, using only its padding slots.
-
-    extra[b] is read up to its first negative entry. It is walked down the
-    existing tree while it matches children of the current node; the rest is
-    appended as a chain below the last matched node, in the first padding
-    slots (so the proposal's own nodes always win, and a fully present
-    continuation adds nothing). chain=True keeps a chain a chain: it is only
-    extended when the whole existing chain is a prefix of extra (including
-    the empty chain). Padding must follow the real nodes, as `ngram_propose`
-    and `organize_draft_tree` produce. Returns (tokens [B, N], parents [B, N])
-    in the tree convention.
-    """
-    b, n = tokens.shape
-    e = extra.shape[1]
-    tokens = tokens.astype(jnp.int32)
-    parents = parents.astype(jnp.int32)
-    extra = extra.astype(jnp.int32)
-    idx = jnp.arange(n, dtype=jnp.int32)
-    real = (tokens >= 0) | (idx == 0)
-    if chain:
-        # Chain convention: everything after the first padding is padding.
-        real = jnp.cumprod(real.astype(jnp.int32), axis=1).astype(bool)
-        parents = jnp.where(idx >= 1, idx - 1, -1)[None, :].repeat(b, axis=0)
-    num_real = real.sum(axis=1, dtype=jnp.int32)
-    ext_ok = jnp.cumprod((extra >= 0).astype(jnp.int32), axis=1).astype(bool)
-    ext_len = ext_ok.sum(axis=1, dtype=jnp.int32)
-
-    # 1. Walk extra down the tree (E is static and small).
-    cur = jnp.zeros((b,), jnp.int32)
-    matched = jnp.zeros((b,), jnp.int32)
-    walking = jnp.ones((b,), bool)
-    for d in range(e):
-        child = ((parents == cur[:, None]) & (tokens == extra[:, d : d + 1]) & real
-                 & (idx >= 1))
-        step = walking & ext_ok[:, d] & jnp.any(child, axis=1)
-        cur = jnp.where(step, jnp.argmax(child, axis=1).astype(jnp.int32), cur)
-        matched = matched + step.astype(jnp.int32)
-        walking = step
-
-    # 2. Append extra[matched:] as a chain under cur, into slots num_real, ...
-    j = jnp.arange(e, dtype=jnp.int32)[None, :]
-    new = (j >= matched[:, None]) & (j < ext_len[:, None])
-    if chain:
-        new = new & (cur == num_real - 1)[:, None]
-    slot = jnp.where(new, num_real[:, None] + j - matched[:, None], n)
-    par = jnp.where(j == matched[:, None], cur[:, None], slot - 1)
-    bidx = jnp.arange(b)[:, None]
-    tokens = tokens.at[bidx, slot].set(extra, mode="drop")
-    parents = parents.at[bidx, slot].set(par, mode="drop")
-    if chain:
-        real_after = jnp.cumprod(((tokens >= 0) | (idx == 0)).astype(jnp.int32),
-                                 axis=1).astype(bool)
-        tokens = jnp.where(real_after, tokens, -1)
-        parents = jnp.where(real_after, parents, 0).at[:, 0].set(-1)
-    return tokens, parents
-
-
-# --------------------------------------------------------------------------
-# Host corpus
-# --------------------------------------------------------------------------
-
-
 class CorpusError(ValueError):
     """A corpus line jaxspec cannot use; the message names the file, line and id."""
 
@@ -389,134 +310,32 @@ def check_corpus_ids(ids: Sequence[Any], vocab_size: int | None, where: str) -> 
     return out
 
 
-class NgramCorpus:
-    """Bounded n-gram index over token sequences, queried on the host.
+def read_corpus(path: str | os.PathLike, tokenizer: Any = None, vocab_size: int | None = None) -> list[list[int]]:
+    """The documents of a JSONL corpus, in file order.
 
-    Documents (a corpus line, or one finished request's tokens) are kept in
-    insertion order; an index maps every n-gram (min_match <= n <= max_match)
-    to its most recent occurrences, as (document, continuation start). At most
-    `max_tokens` tokens are stored: adding more evicts the oldest documents
-    (and their index entries), and each n-gram keeps only its
-    `max_occurrences` most recent occurrences. Memory is roughly
-    (max_match - min_match + 1) * max_tokens index entries, a few hundred
-    bytes each in CPython, hence the modest default.
+    A line is {"text": str} (needs `tokenizer`: an object with `.encode(text)` or a callable
+    text -> ids; special tokens are not added when the tokenizer supports that) or
+    {"prompt_ids": [...]}, {"output_ids": [...]} or both (one document, prompt then output).
+    Every id must be an integer in [0, vocab_size) (`check_corpus_ids`; pass the model's
+    vocab_size), else CorpusError names the line.
     """
-
-    def __init__(self, *, min_match: int = 1, max_match: int = 4, max_tokens: int = 1 << 18,
-                 max_occurrences: int = 8):
-        check_ngram_config(1, 1, min_match, max_match)
-        if max_tokens < 2 or max_occurrences < 1:
-            raise ValueError("NgramCorpus: need max_tokens >= 2 and max_occurrences >= 1")
-        self.min_match, self.max_match = min_match, max_match
-        self.max_tokens, self.max_occurrences = max_tokens, max_occurrences
-        self._docs: collections.OrderedDict[int, tuple[int, ...]] = collections.OrderedDict()
-        self._index: dict[tuple[int, ...], collections.deque[tuple[int, int]]] = {}
-        self._next_id = 0
-        self.num_tokens = 0
-
-    def __len__(self) -> int:
-        return len(self._docs)
-
-    def _ngrams(self, doc: tuple[int, ...]) -> Iterable[tuple[tuple[int, ...], int]]:
-        for q in range(1, len(doc)):
-            for n in range(self.min_match, min(self.max_match, q) + 1):
-                yield doc[q - n : q], q
-
-    def add(self, token_ids: Iterable[int]) -> None:
-        """Index one token sequence (e.g. a finished request's prompt + output)."""
-        doc = tuple(int(t) for t in token_ids)[-self.max_tokens :]
-        if len(doc) < 2:  # nothing follows any n-gram
-            return
-        while self._docs and self.num_tokens + len(doc) > self.max_tokens:
-            self._evict_oldest()
-        doc_id = self._next_id
-        self._next_id += 1
-        self._docs[doc_id] = doc
-        self.num_tokens += len(doc)
-        for key, q in self._ngrams(doc):
-            occ = self._index.get(key)
-            if occ is None:
-                occ = self._index[key] = collections.deque(maxlen=self.max_occurrences)
-            occ.append((doc_id, q))
-
-    def _evict_oldest(self) -> None:
-        doc_id, doc = self._docs.popitem(last=False)
-        self.num_tokens -= len(doc)
-        # Occurrences are appended in document order and this is the oldest
-        # live document, so its entries (if the cap left any) sit at the left.
-        for key, _ in self._ngrams(doc):
-            occ = self._index.get(key)
-            if occ is None:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
                 continue
-            while occ and occ[0][0] == doc_id:
-                occ.popleft()
-            if not occ:
-                del self._index[key]
-
-    def lookup(self, context_ids: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix n-gram of context_ids.
-
-        Rule: longest n with any occurrence; among its occurrences the longest
-        continuation clipped to k, then the most recent. [] if none matches.
-        """
-        if k <= 0:
-            return []
-        ctx = tuple(int(t) for t in context_ids[-self.max_match :])
-        for n in range(min(self.max_match, len(ctx)), self.min_match - 1, -1):
-            occ = self._index.get(ctx[len(ctx) - n :])
-            if not occ:
-                continue
-            # deque order = recency, so max() over (clipped length, order) works.
-            _, _, doc_id, q = max(
-                (min(len(self._docs[d]) - q, k), i, d, q) for i, (d, q) in enumerate(occ))
-            return list(self._docs[doc_id][q : q + k])
-        return []
-
-    def lookup_batch(self, contexts: Sequence[Sequence[int]], k: int) -> np.ndarray:
-        """extra [B, k] int32: `lookup` per context, -1 padded (feed to merge_extra)."""
-        out = np.full((len(contexts), k), -1, np.int32)
-        for i, ctx in enumerate(contexts):
-            cont = self.lookup(ctx, k)
-            out[i, : len(cont)] = cont
-        return out
-
-    def load_jsonl(self, path: str | os.PathLike, tokenizer: Any = None,
-                   vocab_size: int | None = None) -> int:
-        """Add every line of a JSONL corpus; returns the number of documents added.
-
-        A line is {"text": str} (needs `tokenizer`: an object with
-        `.encode(text)` or a callable text -> ids; special tokens are not
-        added when the tokenizer supports that) or {"prompt_ids": [...]},
-        {"output_ids": [...]} or both (one document, prompt then output).
-        Every id must be an integer in [0, vocab_size) (`check_corpus_ids`;
-        pass the model's vocab_size), else CorpusError names the line.
-        """
-        added = 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                if "prompt_ids" in rec or "output_ids" in rec:
-                    ids = list(rec.get("prompt_ids", [])) + list(rec.get("output_ids", []))
-                elif "text" in rec:
-                    if tokenizer is None:
-                        raise ValueError(f"{path}:{lineno}: a 'text' line needs a tokenizer")
-                    ids = _encode(tokenizer, rec["text"])
-                else:
-                    raise ValueError(f"{path}:{lineno}: expected 'text', 'prompt_ids' or "
-                                     f"'output_ids', got keys {sorted(rec)}")
-                self.add(check_corpus_ids(ids, vocab_size, f"{path}:{lineno}"))
-                added += 1
-        return added
-
-    @classmethod
-    def from_jsonl(cls, path: str | os.PathLike, tokenizer: Any = None,
-                   vocab_size: int | None = None, **kwargs: Any) -> "NgramCorpus":
-        """`NgramCorpus(**kwargs)` filled from `path` (see `load_jsonl`)."""
-        corpus = cls(**kwargs)
-        corpus.load_jsonl(path, tokenizer, vocab_size)
-        return corpus
+            rec = json.loads(line)
+            if "prompt_ids" in rec or "output_ids" in rec:
+                ids = list(rec.get("prompt_ids", [])) + list(rec.get("output_ids", []))
+            elif "text" in rec:
+                if tokenizer is None:
+                    raise ValueError(f"{path}:{lineno}: a 'text' line needs a tokenizer")
+                ids = _encode(tokenizer, rec["text"])
+            else:
+                raise ValueError(f"{path}:{lineno}: expected 'text', 'prompt_ids' or "
+                                 f"'output_ids', got keys {sorted(rec)}")
+            docs.append(check_corpus_ids(ids, vocab_size, f"{path}:{lineno}"))
+    return docs
 
 
 CORPUS_SEPARATOR = -2
@@ -524,16 +343,15 @@ CORPUS_SEPARATOR = -2
 
 def corpus_token_array(path: str | os.PathLike, tokenizer: Any = None, max_tokens: int = 16384,
                        vocab_size: int | None = None) -> np.ndarray:
-    """A JSONL corpus (see `NgramCorpus.load_jsonl`) as one flat int32 array for the
+    """A JSONL corpus (see `read_corpus`) as one flat int32 array for the
     on-device drafter: documents joined by CORPUS_SEPARATOR, most recent last,
     cut to the last `max_tokens`. The loop prepends it to every sequence's
     history, so matches can come from the corpus without any host round trip.
     vocab_size: the target model's; ids outside [0, vocab_size) raise CorpusError."""
-    corpus = NgramCorpus(max_tokens=max_tokens)
-    corpus.load_jsonl(path, tokenizer, vocab_size)
     out: list[int] = [CORPUS_SEPARATOR]
-    for doc in corpus._docs.values():
-        out += list(doc) + [CORPUS_SEPARATOR]
+    for doc in read_corpus(path, tokenizer, vocab_size):
+        if len(doc) >= 2:  # a single token is followed by nothing it could draft
+            out += doc[-max_tokens:] + [CORPUS_SEPARATOR]
     arr = np.asarray(out[-max_tokens:], np.int32)
     arr[0] = CORPUS_SEPARATOR  # a cut document must not run into the history
     return arr
