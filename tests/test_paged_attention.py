@@ -297,7 +297,7 @@ def test_lowers_to_triton_on_cpu(dtype, hd, page_size, group, tree):
 
 
 def test_gpu_check_script_is_a_no_op_on_cpu(capsys):
-    from jaxspec.pallas import gpu_check_attention
+    from jaxspec.bench import gpu_attention as gpu_check_attention
 
     if jax.default_backend() == "gpu":
         pytest.skip("runs the real check on GPU; too slow for the unit suite")

@@ -52,7 +52,7 @@ def random_tree(rng, b, n):
 
 def check_kernels(interpret: bool, small: bool) -> bool:
     """Section 1. Returns True when every kernel equals its reference."""
-    from jaxspec.pallas.gpu_check_attention import check, make_case
+    from jaxspec.bench.gpu_attention import check, make_case
     from jaxspec.pallas.tree_build import build_tree_pallas
     from jaxspec.pallas.verify import verify_greedy_pallas, verify_rejection_pallas, verify_target_only_pallas
     from jaxspec.speculative.tree import build_tree_ref

@@ -37,7 +37,7 @@ from jaxspec.pallas import target_platform
 
 # The shared leaf module, not jaxspec.speculative.tree: that module dispatches
 # to this kernel, and a kernel never imports its callers.
-from jaxspec.speculative.types import TreeInfo, assemble_tree_info, node_valid, num_mask_words
+from jaxspec.pallas.types import TreeInfo, assemble_tree_info, node_valid, num_mask_words
 
 
 def _padded_nodes(n: int) -> int:

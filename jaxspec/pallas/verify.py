@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import target_platform
-from jaxspec.speculative.types import VerifyResult, in_vocab
+from jaxspec.pallas.types import VerifyResult, in_vocab
 
 DEFAULT_VOCAB_TILE = 2048
 

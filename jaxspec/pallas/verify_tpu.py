@@ -49,8 +49,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxspec.pallas import target_platform
+from jaxspec.pallas.types import VerifyResult, in_vocab
 from jaxspec.pallas.verify import row_thresholds
-from jaxspec.speculative.types import VerifyResult, in_vocab
 
 LANES = 128
 SUBLANES = 8

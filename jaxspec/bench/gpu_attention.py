@@ -1,7 +1,7 @@
 """Compile the paged-attention kernel on a GPU and hold it to the jnp reference.
 
-    python -m jaxspec.pallas.gpu_check_attention            # correctness + timing
-    python -m jaxspec.pallas.gpu_check_attention --sweep    # also try block sizes
+    python -m jaxspec.bench.gpu_attention            # correctness + timing
+    python -m jaxspec.bench.gpu_attention --sweep    # also try block sizes
 
 On a machine without a GPU it says so and exits 0, so it is safe in any CI step.
 Each case prints the max error over rows that see at least one slot, and median
