@@ -210,7 +210,7 @@ def cut_at_stop(tokenizer, prompt_ids: Sequence[int], ids: list[int], stops: Seq
     """(text before the first stop string, the ids through the token completing it), or None without a hit.
 
     Token by token, with the server's detokenizer and matcher, so the API cuts where a stream would."""
-    from jaxspec.serve.detok import IncrementalDetokenizer, StopStringMatcher
+    from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 
     detok, matcher, text = IncrementalDetokenizer(tokenizer, prompt_ids), StopStringMatcher(stops), ""
     for k, t in enumerate(ids):

@@ -17,9 +17,6 @@ import sys
 import time
 from typing import Any
 
-# Re-exported: the server and the trainer import them from here.
-from jaxspec.api import build_draft, stop_token_ids  # noqa: F401
-
 # (CLI flag dest, config key): flags override the --config file, which overrides defaults.
 FLAG_KEYS = {
     "model": "model.path",

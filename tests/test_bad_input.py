@@ -128,7 +128,7 @@ def tokenizer():
 
 @pytest.mark.parametrize("text", ["数学", "façade 👍🏽", "🇫🇷🇯🇵"])
 def test_length_cut_inside_a_character_sends_no_replacement_char(tokenizer, text):
-    from jaxspec.serve.detok import IncrementalDetokenizer
+    from jaxspec.detok import IncrementalDetokenizer
 
     ids = tokenizer.encode(text, add_special_tokens=False)
     cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]

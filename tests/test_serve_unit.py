@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxspec.serve.adaptive import AdaptiveSteps
-from jaxspec.serve.detok import IncrementalDetokenizer, StopStringMatcher
+from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.serve.protocol import APIError, parse_completion, parse_gen_params, parse_json_body
 
 

@@ -39,7 +39,7 @@ from typing import Callable
 
 from jaxspec.cache.paged import OutOfPagesError
 from jaxspec.serve.adaptive import AdaptiveSteps
-from jaxspec.serve.detok import IncrementalDetokenizer, StopStringMatcher
+from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.serve.runner import ModelRunner, RowInput
 
 log = logging.getLogger("jaxspec.serve")

@@ -157,7 +157,7 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     import jax.numpy as jnp
 
     from jaxspec.engine import Engine
-    from jaxspec.generate import build_draft, stop_token_ids
+    from jaxspec.api import build_draft, stop_token_ids
     from jaxspec.models.loading import load_model
 
     dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
