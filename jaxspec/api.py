@@ -111,7 +111,7 @@ def build_draft(cfg: Config, model, dtype, progress: bool):
 
 def load_corpus(path: str, model, label: str = "ngram_corpus"):
     """The n-gram corpus file as device-ready token ids [K]; PromptError naming `label` and the line."""
-    from jaxspec.speculative.ngram import corpus_token_array
+    from jaxspec.speculative.drafters.ngram import corpus_token_array
 
     try:
         return corpus_token_array(path, model.tokenizer, vocab_size=model.config.vocab_size)
@@ -123,7 +123,7 @@ def resolve_mesh(mesh):
     """None, a jax Mesh, a MeshShape or "DPxTP" -> a ("data", "model") Mesh or None."""
     if mesh is None:
         return None
-    from jaxspec.models import sharding
+    from jaxspec import mesh as sharding
 
     if isinstance(mesh, (str, sharding.MeshShape)):
         return sharding.make_mesh(mesh)

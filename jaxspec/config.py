@@ -77,7 +77,7 @@ class SpecSection:
     ngram_max_match: int = 4
     # Entry n-1 caps the drafts of a length-n match (past the tuple: num_draft_tokens - 1).
     # 1-gram matches are mostly rejected; 3 drafts keep their verify at the width
-    # that costs a plain step (see jaxspec.speculative.ngram).
+    # that costs a plain step (see jaxspec.speculative.drafters.ngram).
     ngram_draft_tokens_by_match: tuple[int, ...] = (3,)
     ngram_corpus: str = ""
     simulate_accept_length: int = 0

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-phases", action="store_true",
                    help="rerun the first batch with draft/verify/other timed apart and print the split")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")
-    from jaxspec.models.sharding import add_mesh_args
+    from jaxspec.mesh import add_mesh_args
 
     add_mesh_args(p)
     return p
@@ -205,7 +205,7 @@ def write_outputs(outputs, args, simulated: bool, has_tokenizer: bool) -> None:
 def run(args) -> int:
     from jaxspec.api import LLM
     from jaxspec.config import ConfigValueError
-    from jaxspec.models.sharding import setup_mesh
+    from jaxspec.mesh import setup_mesh
     from jaxspec.prompts import read_jsonl
 
     mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.engine import RequestError
     from jaxspec.models.config import ConfigError
     from jaxspec.models.loading import LoadError
-    from jaxspec.models.sharding import MeshError
+    from jaxspec.mesh import MeshError
     from jaxspec.prompts import PromptError
     from jaxspec.sampling_params import SamplingError
     from jaxspec.cache.paged import CacheMemoryError, OutOfPagesError

@@ -78,7 +78,7 @@ def count_compiles(fn) -> int:
 def engines_report(model) -> dict:
     """Greedy outputs per mesh and mode, plus layouts and recompile counts."""
     from jaxspec.engine import Request
-    from jaxspec.models.sharding import make_mesh
+    from jaxspec.mesh import make_mesh
 
     modes = {"plain": None, "ngram": {"algorithm": "ngram", "topk": 2, "num_steps": 3, "num_draft_tokens": 8}}
     reqs = [Request(p, max_new_tokens=NEW) for p in PROMPTS]
@@ -127,7 +127,7 @@ def standalone_report(model) -> dict:
     """The standalone drafter's own paged cache splits over "data" too: 4x2 equals one device."""
     from jaxspec.config import EngineSection, SpecSection
     from jaxspec.engine import Engine, Request
-    from jaxspec.models.sharding import make_mesh
+    from jaxspec.mesh import make_mesh
     from jaxspec.speculative.drafters.standalone import truncate_layers
 
     ecfg = EngineSection(max_batch_size=4, max_context=64, length_buckets=(16, 32, 64), page_size=4)
@@ -165,7 +165,7 @@ def kernel_report() -> dict:
     import jax.numpy as jnp
 
     from jaxspec.cache.attention import paged_attention, paged_attention_ref
-    from jaxspec.models import sharding as shd
+    from jaxspec import mesh as shd
 
     os.environ["JAXSPEC_KERNELS"] = "interpret"
     mesh = shd.make_mesh("2x4")
@@ -239,7 +239,7 @@ def cli_report(model_dir: Path, tmp: Path, mesh: str | None = "2x4", quiet: bool
 def serve_report(model_dir: Path) -> dict:
     """The server's scheduler and runner (continuous batching, n-gram speculation) under each mesh."""
     from jaxspec.config import apply_overrides, load_config
-    from jaxspec.models.sharding import make_mesh
+    from jaxspec.mesh import make_mesh
     from jaxspec.serve.scheduler import Seq, SeqParams
     from jaxspec.serve.server import build_server
 
@@ -273,7 +273,7 @@ def embedded_serve_report() -> dict:
     A few tokens and stacked layers (fewer HLO ops to compile) keep it short."""
     from jaxspec.config import apply_overrides, load_config
     from jaxspec.models.loading import load_model
-    from jaxspec.models.sharding import make_mesh
+    from jaxspec.mesh import make_mesh
     from jaxspec.serve.scheduler import Seq, SeqParams
     from jaxspec.serve.server import build_server
 

@@ -84,7 +84,7 @@ def main(out_path: str) -> None:
     import jax
 
     from jaxspec.models.loading import load_model
-    from jaxspec.models.sharding import make_mesh
+    from jaxspec.mesh import make_mesh
     from jaxspec.serve.server import build_server
     from tests.heads_fixtures import write_eagle3_head
     from tests.mesh_worker import AWKWARD, write_tiny_checkpoint

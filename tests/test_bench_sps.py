@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec.bench import sps
-from jaxspec.speculative.planner import SPSTable
+from jaxspec.speculative.drafters.planner import SPSTable
 
 REPO = Path(__file__).resolve().parents[1]
 

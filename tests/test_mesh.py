@@ -1,4 +1,4 @@
-"""Device-mesh sharding (`--mesh DPxTP`, jaxspec.models.sharding).
+"""Device-mesh sharding (`--mesh DPxTP`, jaxspec.mesh).
 
 Greedy outputs under 4x2, 2x4 and 8x1 meshes must equal single-device outputs,
 for plain and n-gram speculative decoding. Eight host devices need XLA_FLAGS
@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxspec.models import sharding as shd
+from jaxspec import mesh as shd
 from jaxspec.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent

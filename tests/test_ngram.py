@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxspec.speculative.ngram import ngram_propose
+from jaxspec.speculative.drafters.ngram import ngram_propose
 
 B, C = 3, 20
 # (num_draft_tokens, topk, min_match, max_match[, draft_tokens_by_match])
@@ -222,7 +222,7 @@ def test_bad_config():
 
 
 def test_corpus_jsonl(tmp_path):
-    from jaxspec.speculative.ngram import read_corpus
+    from jaxspec.speculative.drafters.ngram import read_corpus
 
     path = tmp_path / "corpus.jsonl"
     lines = [{"prompt_ids": [1, 2], "output_ids": [3, 4]}, {"output_ids": [5, 6, 7]}, {},
@@ -247,8 +247,8 @@ def test_corpus_jsonl(tmp_path):
 def test_corpus_array_keeps_the_newest_tokens_and_drops_single_tokens(tmp_path):
     """Documents of one token are dropped (nothing follows them); past max_tokens the oldest go,
     a cut document starts at a separator, and a document longer than the bound keeps its tail."""
-    from jaxspec.speculative.ngram import CORPUS_SEPARATOR as S
-    from jaxspec.speculative.ngram import corpus_token_array
+    from jaxspec.speculative.drafters.ngram import CORPUS_SEPARATOR as S
+    from jaxspec.speculative.drafters.ngram import corpus_token_array
 
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"prompt_ids": d}) + "\n" for d in ([1, 2, 3], [9], [4, 5, 6, 7])))
@@ -259,7 +259,7 @@ def test_corpus_array_keeps_the_newest_tokens_and_drops_single_tokens(tmp_path):
 
 
 def test_prepended_corpus_supplies_drafts_and_separators_stop_continuations(tmp_path):
-    from jaxspec.speculative.ngram import CORPUS_SEPARATOR, corpus_token_array
+    from jaxspec.speculative.drafters.ngram import CORPUS_SEPARATOR, corpus_token_array
 
     path = tmp_path / "corpus.jsonl"
     path.write_text('{"prompt_ids": [1, 2, 3, 4, 5]}\n{"output_ids": [7, 8, 9]}\n')
@@ -285,7 +285,7 @@ def test_prepended_corpus_supplies_drafts_and_separators_stop_continuations(tmp_
 
 @pytest.mark.parametrize("bad", [50, 99_999_999, -3, 1.5, True, "7"])
 def test_corpus_id_outside_vocab_is_refused_at_load(tmp_path, bad):
-    from jaxspec.speculative.ngram import CorpusError, corpus_token_array
+    from jaxspec.speculative.drafters.ngram import CorpusError, corpus_token_array
 
     vocab = 50
     path = tmp_path / "corpus.jsonl"
@@ -311,7 +311,7 @@ def test_corpus_id_outside_vocab_is_refused_at_load(tmp_path, bad):
 
 
 def test_corpus_text_lines_are_checked_too(tmp_path):
-    from jaxspec.speculative.ngram import CorpusError, read_corpus
+    from jaxspec.speculative.drafters.ngram import CorpusError, read_corpus
 
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"text": "abc"}) + "\n")
@@ -323,7 +323,7 @@ def test_corpus_text_lines_are_checked_too(tmp_path):
 
 def test_corpus_without_vocab_size_still_refuses_negative_ids(tmp_path):
     # A negative id would pass for a document separator in the device array.
-    from jaxspec.speculative.ngram import CorpusError, corpus_token_array
+    from jaxspec.speculative.drafters.ngram import CorpusError, corpus_token_array
 
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"prompt_ids": [1, 10**6]}) + "\n")

@@ -1,4 +1,4 @@
-"""The DSPARK verify-budget planner (jaxspec.speculative.planner) against a brute force in numpy,
+"""The DSPARK verify-budget planner (jaxspec.speculative.drafters.planner) against a brute force in numpy,
 and the SPS table it reads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.speculative.planner import (
+from jaxspec.speculative.drafters.planner import (
     SPSTable,
     SPSTableError,
     calibrate,

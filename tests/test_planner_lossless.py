@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.speculative.planner import plan_row_budgets
+from jaxspec.speculative.drafters.planner import plan_row_budgets
 
 V = 3
 G = 3  # drafts: c1 is fixed, c2 reads x1, c3 reads x2

@@ -186,7 +186,7 @@ def serve_entry_points(model, args, mesh=None):
 
 def lower_all(model, args) -> list[dict]:
     """Trace every entry point for `args.platform`, lower it, and analyze (and dump) its StableHLO."""
-    from jaxspec.models.sharding import make_mesh
+    from jaxspec.mesh import make_mesh
     from jaxspec.pallas import lowering_for
 
     platform = PLATFORMS[args.platform]
@@ -280,7 +280,7 @@ def _check(args) -> None:
 
 def main(argv=None) -> int:
     from jaxspec.models.config import ConfigError, LoadError
-    from jaxspec.models.sharding import MeshError, make_mesh
+    from jaxspec.mesh import MeshError, make_mesh
 
     args = build_parser().parse_args(argv)
     try:

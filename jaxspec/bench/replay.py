@@ -46,7 +46,7 @@ def replay_accept_lengths(
     Mirrors `jaxspec.speculative.loop`: after prefill the first token is committed, the
     history ends at the root, and a step commits its accepted path plus the
     target's next token (see `jaxspec.speculative.verify`), until max_new tokens."""
-    from jaxspec.speculative.ngram import ngram_propose
+    from jaxspec.speculative.drafters.ngram import ngram_propose
 
     full = np.asarray(list(prompt) + list(target_tokens), np.int32)
     width = 1 << int(np.ceil(np.log2(len(prompt) + max_new + 1)))  # one compiled shape per bucket

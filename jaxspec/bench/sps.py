@@ -1,5 +1,5 @@
 """`python -m jaxspec.bench sps`: the target's verify steps per second against tokens in the batch,
-the table the DSPARK verify planner reads (`jaxspec.speculative.planner.SPSTable`).
+the table the DSPARK verify planner reads (`jaxspec.speculative.drafters.planner.SPSTable`).
 
 For every batch B and width w, one jitted target forward over B rows x w tokens each, the way the
 speculative loop's verify forward runs: a chain block (causal tree mask) written at cache slots
@@ -115,7 +115,7 @@ def measure(params, cfg, batches, widths, *, context: int = 256, repeats: int = 
 
 def to_table(measured: dict[tuple[int, int], float], **meta):
     """The SPSTable of B*w -> steps/s, keeping the largest B where token counts collide."""
-    from jaxspec.speculative.planner import SPSTable
+    from jaxspec.speculative.drafters.planner import SPSTable
 
     best: dict[int, tuple[int, float]] = {}
     for (b, w), rate in measured.items():

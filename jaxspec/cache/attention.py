@@ -154,6 +154,6 @@ def paged_attention(
         kernel = functools.partial(paged_attention_pallas, scale=scale, interpret=kernels.interpret_mode())
     else:
         return paged_attention_ref(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale)
-    from jaxspec.models.sharding import shard_kernel_attention
+    from jaxspec.pallas.shard import shard_kernel_attention
 
     return shard_kernel_attention(kernel, q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask)

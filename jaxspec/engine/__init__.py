@@ -14,7 +14,7 @@ The cache is donated to both, so it is updated in place. Buckets are
 calls go straight to the compiled executables, so an already-compiled bucket
 can never retrace.
 
-With a device mesh (`Engine(..., mesh=...)`, see `jaxspec.models.sharding`)
+With a device mesh (`Engine(..., mesh=...)`, see `jaxspec.mesh`)
 params and caches are placed on it once, batch inputs are put on it per call,
 and both functions pin their output state to the same layout
 (`constrain_state`): an executable's outputs are then valid inputs of the next
@@ -36,7 +36,7 @@ import numpy as np
 from jaxspec import aot
 from jaxspec.cache.paged import KVCache, PageAllocator, ShardedPageAllocator, check_cache_fits
 from jaxspec.config import EngineSection
-from jaxspec.models import sharding as shd
+from jaxspec import mesh as shd
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.native.build import use_native_kernels

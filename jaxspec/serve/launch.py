@@ -44,7 +44,7 @@ SERVE_DEFAULTS = {"spec.algorithm": "ngram", "spec.verify": "auto", "spec.ngram_
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxspec.generate import add_engine_args, add_model_args, add_spec_args
-    from jaxspec.models.sharding import add_mesh_args
+    from jaxspec.mesh import add_mesh_args
 
     p = argparse.ArgumentParser(prog="python -m jaxspec.serve", description=__doc__.split("\n")[0])
     add_model_args(p)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.config import ConfigValueError
     from jaxspec.models.config import ConfigError
     from jaxspec.models.loading import LoadError
-    from jaxspec.models.sharding import MeshError, setup_mesh
+    from jaxspec.mesh import MeshError, setup_mesh
     from jaxspec.serve.app import create_app
     from jaxspec.serve.server import build_server
     from jaxspec.native.build import NativeKernelError

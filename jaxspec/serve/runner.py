@@ -43,7 +43,7 @@ import numpy as np
 from jaxspec import aot
 from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
 from jaxspec.engine.core import draft_cache_of, make_chunk_prefill_fn, row_state, spec_state, with_row_state
-from jaxspec.models import sharding as shd
+from jaxspec import mesh as shd
 from jaxspec.speculative.drafters import build_drafter, reserve_tokens
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
 

@@ -183,7 +183,7 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     draft = build_draft(dataclasses.replace(cfg, spec=spec), model, dtype, progress)
     corpus = None
     if spec.ngram_corpus:
-        from jaxspec.speculative.ngram import corpus_token_array
+        from jaxspec.speculative.drafters.ngram import corpus_token_array
 
         corpus = corpus_token_array(spec.ngram_corpus, model.tokenizer, vocab_size=model.config.vocab_size)
     if s.adaptive and candidates != (0,):

@@ -167,7 +167,7 @@ def build_tree(
         raise ValueError("build_tree: parents is required unless chain=True")
     if use_kernel():
         # Lazy: Pallas is only needed where the kernel runs.
-        from jaxspec.models.sharding import shard_kernel_rows
+        from jaxspec.pallas.shard import shard_kernel_rows
         from jaxspec.pallas.tree_build import build_tree_pallas
 
         kernel = functools.partial(build_tree_pallas, max_kv=max_kv, interpret=interpret_mode(),

@@ -347,7 +347,7 @@ def verify_greedy(
     target_predict[current] is accepted; the walk stops when none matches (or
     at max_depth); bonus = target_predict[last accepted node]."""
     if (kernel := _kernel("greedy")) is not None:
-        from jaxspec.models.sharding import shard_kernel_rows
+        from jaxspec.pallas.shard import shard_kernel_rows
 
         kernel = functools.partial(kernel, max_depth=max_depth)
         return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_predict)
@@ -370,7 +370,7 @@ def verify_target_only(
     """SGLang's target-only tree sampling (module docstring). Lossless only at
     threshold_single = threshold_acc = 1.0 (the default)."""
     if (kernel := _kernel("target_only")) is not None:
-        from jaxspec.models.sharding import shard_kernel_rows
+        from jaxspec.pallas.shard import shard_kernel_rows
 
         kernel = functools.partial(kernel, max_depth=max_depth)
         return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_probs, uniforms,
@@ -395,7 +395,7 @@ def verify_rejection(
     draft_probs [B, N, V] is indexed by CHILD node; None means one-hot drafts
     (deterministic drafters) without materialising them."""
     if (kernel := _kernel("rejection")) is not None:
-        from jaxspec.models.sharding import shard_kernel_rows
+        from jaxspec.pallas.shard import shard_kernel_rows
 
         kernel = functools.partial(kernel, max_depth=max_depth)
         return shard_kernel_rows(kernel, tokens, retrieve_next_token, retrieve_next_sibling, target_probs,

@@ -73,7 +73,7 @@ def resolve_sps_table(name: str) -> tuple[tuple[int, ...], tuple[float, ...]] | 
     "default": configs/sps/<platform>.json shipped for this platform if any; "flat" or
     "": None; anything else is a file, and a missing or malformed one is an error.
     """
-    from jaxspec.speculative.planner import SPSTable
+    from jaxspec.speculative.drafters.planner import SPSTable
 
     if name in ("", "flat"):
         return None
@@ -212,7 +212,7 @@ class BlockDrafter(DrafterBase):
 
     def _plan(self, params, h, odds, tokens, done, sampled):
         """Tokens [B, N] with the drafts past each row's budget (`plan_row_budgets`) set to -1."""
-        from jaxspec.speculative.planner import plan_row_budgets, survival
+        from jaxspec.speculative.drafters.planner import plan_row_budgets, survival
 
         conf = jax.nn.sigmoid(confidence_logit(params["own"], h, odds))  # [B, N-1]
         t_tok = jnp.asarray(self.sps_table[0], jnp.int32)
