@@ -248,3 +248,30 @@ def write_block_head(d, target, *, kind="dflash", num_layers=2, block_size=8, la
     if prefix:
         t = {prefix + k: v for k, v in t.items()}
     return _write(d, cfg, t)
+
+
+def feature_heads_v8(d, hf) -> dict:
+    """EAGLE-1, EAGLE-3 (draft vocabulary 5, "input" layer ids), Medusa (3 heads) and MLP speculator
+    heads for the V = 8 two-layer target of tests/test_loop_distribution.py."""
+    d = Path(d)
+    return {
+        "eagle": write_eagle_head(d / "eagle", hf),
+        # "input" ids [0, 1, 2]: the embeddings and the states entering layers 1 and 2 of the 2-layer target.
+        "eagle3": write_eagle3_head(d / "eagle3", hf, draft_vocab_size=5, layer_ids=[0, 1, 2], convention="input"),
+        "medusa": write_medusa_head(d / "medusa", hf, num_heads=3),
+        "mlp_speculator": write_mlp_speculator(d / "mlp", hf, n_predict=3),
+    }
+
+
+def block_heads_v8(d, hf) -> dict:
+    """DFLASH and DSPARK heads for the same target (output of layer 0: its last layer's HF hidden
+    state is post-norm), and a falling SPS table that makes DSPARK's planner cut rows."""
+    from tests.test_block_drafters import falling_table
+
+    d = Path(d)
+    return {
+        "dflash": write_block_head(d / "dflash", hf, kind="dflash", block_size=4, layer_ids=(0,), mask_token_id=7),
+        "dspark": write_block_head(d / "dspark", hf, kind="dspark", block_size=3, layer_ids=(0,), mask_token_id=7,
+                                   markov_rank=4, seed=3),
+        "table": falling_table(d / "falling.json"),
+    }

@@ -87,8 +87,9 @@ def test_tpu_spec_loops_verify_with_mosaic(reports):
     assert not fallbacks, f"TPU lowering verifies with the jnp reference (plain HLO) in {fallbacks}"
     for n in LOOPS:
         verify = [k for k in by_name[n]["kernels"]["Mosaic TPU"] if k.startswith("verify_")]
-        # Greedy rows use the greedy kernel and sampled rows a sampling one, in every loop.
-        assert "verify_greedy" in verify and len(verify) >= 2, (n, verify)
+        # Greedy rows use the greedy kernel, and so do sampled rows under the default (coupled)
+        # rule: the greedy walk over the target's own races (`sampling.coupled_predict`).
+        assert "verify_greedy" in verify, (n, verify)
     for r in rows:
         assert r["roles"]["verify"] == (r["name"] in LOOPS), r["name"]  # prefill and plain decode verify nothing
     summary = {line.split(":")[0]: line for line in lower.role_summary(rows)}

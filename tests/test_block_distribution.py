@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine
 from jaxspec.speculative.drafters.load import load_draft
-from tests.heads_fixtures import write_block_head
-from tests.test_block_drafters import falling_table
+from tests.heads_fixtures import block_heads_v8
 from tests.test_loop_distribution import chi_square_p, exact_joint, first_three, joint_counts
 from tests.test_loop_distribution import tiny  # noqa: F401  (the module-scoped V = 8 target fixture)
 
@@ -33,15 +32,7 @@ CONTROL_SEEDS = 20_000
 
 @pytest.fixture(scope="module")
 def heads(tiny, tmp_path_factory):  # noqa: F811
-    _, hf = tiny
-    d = tmp_path_factory.mktemp("block_heads")
-    return {
-        # Output of layer 0 of the 2-layer target (its last layer's HF hidden state is post-norm).
-        "dflash": write_block_head(d / "dflash", hf, kind="dflash", block_size=4, layer_ids=(0,), mask_token_id=7),
-        "dspark": write_block_head(d / "dspark", hf, kind="dspark", block_size=3, layer_ids=(0,), mask_token_id=7,
-                                   markov_rank=4, seed=3),
-        "table": falling_table(d / "falling.json"),
-    }
+    return block_heads_v8(tmp_path_factory.mktemp("block_heads"), tiny[1])
 
 
 def build_engine(model, heads, alg):

@@ -31,9 +31,7 @@ import pytest
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
 from jaxspec.speculative.drafters.load import load_draft
-from tests.heads_fixtures import write_block_head, write_eagle3_head, write_eagle_head, write_medusa_head
-from tests.heads_fixtures import write_mlp_speculator
-from tests.test_block_drafters import falling_table
+from tests.heads_fixtures import block_heads_v8, feature_heads_v8
 from tests.test_loop_distribution import PROMPT
 from tests.test_loop_distribution import tiny  # noqa: F401  (the module-scoped V = 8 target fixture)
 
@@ -58,18 +56,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def heads(tiny, tmp_path_factory):  # noqa: F811
-    _, hf = tiny
     d = tmp_path_factory.mktemp("coupled_heads")
-    return {
-        "eagle": write_eagle_head(d / "eagle", hf),
-        "eagle3": write_eagle3_head(d / "eagle3", hf, draft_vocab_size=5, layer_ids=[0, 1, 2], convention="input"),
-        "medusa": write_medusa_head(d / "medusa", hf, num_heads=3),
-        "mlp_speculator": write_mlp_speculator(d / "mlp", hf, n_predict=3),
-        "dflash": write_block_head(d / "dflash", hf, kind="dflash", block_size=4, layer_ids=(0,), mask_token_id=7),
-        "dspark": write_block_head(d / "dspark", hf, kind="dspark", block_size=3, layer_ids=(0,), mask_token_id=7,
-                                   markov_rank=4, seed=3),
-        "table": falling_table(d / "falling.json"),
-    }
+    return {**feature_heads_v8(d, tiny[1]), **block_heads_v8(d, tiny[1])}
 
 
 def spec_for(heads, name: str, verify: str, **over) -> SpecSection:

@@ -52,7 +52,7 @@ from jaxspec.speculative.sampling import make_verify_noise, target_probs_from_lo
 from jaxspec.speculative.tree import build_chain_tree
 from jaxspec.speculative.types import Committed
 from jaxspec.speculative.verify import emitted_tokens, verify_rejection
-from tests.heads_fixtures import write_eagle3_head, write_eagle_head, write_medusa_head, write_mlp_speculator
+from tests.heads_fixtures import feature_heads_v8
 from tests.test_feature_drafters import _target_features
 from tests.test_loop_distribution import PROMPT, VOCAB, chi_square_p, exact_joint, first_three, joint_counts
 from tests.test_loop_distribution import tiny  # noqa: F401  (the module-scoped V = 8 target fixture)
@@ -76,16 +76,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def heads(tiny, tmp_path_factory):  # noqa: F811
-    _, hf = tiny
-    d = tmp_path_factory.mktemp("feature_heads")
-    return {
-        "eagle": write_eagle_head(d / "eagle", hf),
-        # "input" ids [0, 1, 2]: the embeddings and the states entering layers 1 and 2 of the 2-layer target.
-        "eagle3": write_eagle3_head(d / "eagle3", hf, draft_vocab_size=DRAFT_VOCAB, layer_ids=[0, 1, 2],
-                                    convention="input"),
-        "medusa": write_medusa_head(d / "medusa", hf, num_heads=3),
-        "mlp_speculator": write_mlp_speculator(d / "mlp", hf, n_predict=3),
-    }
+    return feature_heads_v8(tmp_path_factory.mktemp("feature_heads"), tiny[1])
 
 
 def spec_of(heads, name) -> SpecSection:
