@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from jaxspec.cache.attention import gather_pages
 from jaxspec.config import EngineSection, SpecSection
-from jaxspec.engine import Engine, Request, SamplingParams
+from jaxspec.engine import Engine, Request
+from jaxspec.engine.device_sampling import DeviceSampling
 from jaxspec.models.llama import forward
 from jaxspec.models.loading import load_model
 from jaxspec.speculative.loop import spec_iteration
@@ -212,10 +213,7 @@ def test_committed_cache_equals_fresh_prefill(llama, config, prompts, iters):
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
         pt[i] = engine.allocator.allocate(i, ctx)
-    sampling = SamplingParams(
-        temperature=jnp.zeros(b), top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b), seed=jnp.zeros(b, jnp.uint32),
-        stop_ids=jnp.full((b, 8), -1, jnp.int32), max_new=jnp.full(b, 40, jnp.int32),
-    )
+    sampling = DeviceSampling.pack([Request([], max_new_tokens=40).row()] * b, b)
     state = engine._prefill(*engine._prefill_args(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(pt), sampling), ctx)
     for _ in range(iters):
         state = step(engine.params, engine.draft_params, state)

@@ -44,7 +44,7 @@ def _engine(model, spec_kw, draft=None, max_batch: int = 1):
 
 def propose_ms(engine, prefix: int = 256, reps: int = 20) -> float:
     """Median ms of one `propose` (the whole draft of a step) at a `prefix`-token context."""
-    from jaxspec.engine import MAX_STOP_IDS, SamplingParams
+    from jaxspec.engine.device_sampling import DeviceSampling
     from jaxspec.engine.core import spec_state
 
     drafter, b = engine.drafter, 1
@@ -54,10 +54,7 @@ def propose_ms(engine, prefix: int = 256, reps: int = 20) -> float:
     s = spec_state(cache=None, draft=None, page_table=table, history=jnp.ones((b, 1024), jnp.int32),
                    hist_len=jnp.full((b,), prefix + 1, jnp.int32), prompt_lens=jnp.ones((b,), jnp.int32),
                    done=jnp.zeros((b,), bool), accept_width=1,
-                   sampling=SamplingParams(  # greedy: the chat default
-                       temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)),
-                       seed=jnp.zeros((b,), jnp.uint32), stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
-                       max_new=jnp.full((b,), 128, jnp.int32)))
+                   sampling=DeviceSampling.pack([None] * b, b))  # greedy: the chat default
     fn = jax.jit(lambda dp, st, s: drafter.propose(dp, st, s).tokens)
     call = lambda: fn(engine.draft_params, state, s).block_until_ready()  # noqa: E731
     call()

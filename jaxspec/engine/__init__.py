@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 import sys
 import time
 from typing import Sequence
@@ -40,13 +41,20 @@ from jaxspec import mesh as shd
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.native.build import use_native_kernels
+from jaxspec.engine.device_sampling import MAX_STOP_IDS, DeviceSampling
 from jaxspec.speculative.sampling import sample_token
-
-MAX_STOP_IDS = 8
-
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the problem."""
+
+
+class _Row(typing.NamedTuple):
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_ids: tuple
+    max_new: int
 
 
 @dataclasses.dataclass
@@ -59,6 +67,10 @@ class Request:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
+    def row(self):
+        """The request as a `DeviceSampling.pack` row."""
+        return _Row(self.temperature, self.top_p, self.top_k, self.seed, self.stop_token_ids, self.max_new_tokens)
+
 
 @dataclasses.dataclass
 class Result:
@@ -66,17 +78,6 @@ class Result:
     output_ids: list[int]
     finish_reason: str  # "stop" (a stop token) or "length"
     accept_lengths: list[int] | None = None  # speculative: committed tokens per verify step
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SamplingParams:
-    temperature: jax.Array  # [B] f32, 0 = greedy
-    top_k: jax.Array  # [B] int32, 0 = off
-    top_p: jax.Array  # [B] f32
-    seed: jax.Array  # [B] uint32
-    stop_ids: jax.Array  # [B, MAX_STOP_IDS] int32, -1 padded
-    max_new: jax.Array  # [B] int32
 
 
 @jax.tree_util.register_dataclass
@@ -89,7 +90,7 @@ class DecodeState:
     output: jax.Array  # [B, max_out] int32 generated tokens, -1 padded
     num_generated: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
-    sampling: SamplingParams
+    sampling: DeviceSampling
 
 
 def emit_token(state_out, num_generated, done, token, sampling):
@@ -105,7 +106,7 @@ def emit_token(state_out, num_generated, done, token, sampling):
 
 
 def make_prefill_fn(cfg: ModelConfig):
-    def prefill_fn(params, cache, tokens, prompt_lens, page_table, sampling: SamplingParams, max_out: int):
+    def prefill_fn(params, cache, tokens, prompt_lens, page_table, sampling: DeviceSampling, max_out: int):
         # tokens [B, L] int32 right-padded; prompt_lens [B] int32 (0 = padding row)
         b, _ = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -369,10 +370,7 @@ class Engine:
         maxp = -(-ctx // self.page_size)
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-        sampling = SamplingParams(
-            temperature=f32(b), top_k=i32(b), top_p=f32(b),
-            seed=jax.ShapeDtypeStruct((b,), jnp.uint32), stop_ids=i32(b, MAX_STOP_IDS), max_new=i32(b),
-        )
+        sampling = DeviceSampling.abstract(b)
         # The shardings `shard_batch` gives the real inputs in `_run_batch`.
         return shd.abstract_state((i32(b, lb), i32(b), i32(b, maxp), sampling), self.mesh, self.split_pages)
 
@@ -528,9 +526,6 @@ class Engine:
         tokens = np.zeros((b, lb), np.int32)
         lens = np.zeros((b,), np.int32)
         page_table = np.zeros((b, maxp), np.int32)
-        temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
-        topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
-        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         seq_ids = [object() for _ in reqs]
         try:
             # 1. Pages for the whole budget up front: the loop never needs the host.
@@ -544,12 +539,7 @@ class Engine:
                 page_table[i] = self.allocator.page_table_row(sid, maxp)
                 tokens[i, : len(r.prompt_ids)] = r.prompt_ids
                 lens[i] = len(r.prompt_ids)
-                temp[i], topp[i], topk[i] = r.temperature, r.top_p, r.top_k
-                seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), r.max_new_tokens
-                stop[i, : len(r.stop_token_ids)] = r.stop_token_ids
-            sampling = SamplingParams(
-                temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_new=max_new,
-            )
+            sampling = DeviceSampling.pack([r.row() for r in reqs], b)
             # 2. Prefill, then the on-device decode loop.
             t0 = time.perf_counter()
             state = self._compiled[("prefill", b, lb, ctx)](

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import aot
-from jaxspec.engine import MAX_STOP_IDS, Engine, SamplingParams, bucket_for
+from jaxspec.engine import Engine, bucket_for
+from jaxspec.engine.device_sampling import DeviceSampling
 from jaxspec.engine.core import draft_cache_of, make_chunk_prefill_fn, row_state, spec_state, with_row_state
 from jaxspec import mesh as shd
 from jaxspec.speculative.drafters import build_drafter, reserve_tokens
@@ -201,11 +202,8 @@ class ModelRunner:
 
     # ---- compilation -------------------------------------------------------------
 
-    def _sampling_struct(self, b: int) -> SamplingParams:
-        i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-        f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
-        return SamplingParams(temperature=f32, top_k=i32, top_p=f32, seed=jax.ShapeDtypeStruct((b,), jnp.uint32),
-                              stop_ids=jax.ShapeDtypeStruct((b, MAX_STOP_IDS), jnp.int32), max_new=i32)
+    def _sampling_struct(self, b: int) -> DeviceSampling:
+        return DeviceSampling.abstract(b)
 
     def _new_store(self):
         """(draft cache, per-row drafter state [num_slots + 1, ...]); the last row is the padding rows' spare.
@@ -301,17 +299,8 @@ class ModelRunner:
     # ---- calls -------------------------------------------------------------------
 
     @staticmethod
-    def sampling_inputs(rows: Sequence, b: int) -> SamplingParams:
-        temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
-        topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
-        stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
-        for i, r in enumerate(rows):
-            if r is None:  # a padding row
-                continue
-            temp[i], topp[i], topk[i] = r.temperature, r.top_p, r.top_k
-            seed[i], max_new[i] = np.uint32(r.seed & 0xFFFFFFFF), min(r.max_new, 2**31 - 1)
-            stop[i, : len(r.stop_ids)] = list(r.stop_ids)[:MAX_STOP_IDS]
-        return SamplingParams(temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_new=max_new)
+    def sampling_inputs(rows: Sequence, b: int) -> DeviceSampling:
+        return DeviceSampling.pack(rows, b)
 
     # Each call is split in two: the host inputs of a bucket (plain numpy, so a
     # multi-host leader can broadcast them) and running that bucket on them

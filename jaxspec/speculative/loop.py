@@ -45,7 +45,7 @@ class SpecState:
     done: jax.Array  # [B] bool
     num_verify: jax.Array  # [B] int32 verify steps taken
     accept_lens: jax.Array  # [B, C] int32 committed tokens per verify step (num_accepted + 1)
-    sampling: object  # engine.SamplingParams
+    sampling: object  # engine.device_sampling.DeviceSampling
     # [1, K] int32 n-gram corpus prepended to every history for matching, or None.
     corpus: jax.Array | None = None
 
