@@ -91,10 +91,16 @@ def position_noise(
     offsets = jnp.arange(count, dtype=jnp.int32)
 
     def one(seed, position):
-        keys = jax.vmap(lambda d: jax.random.fold_in(step_key(seed, position + d), _EXP_STREAM))(offsets)
-        return jax.vmap(lambda k: exp_noise(k, (vocab_size,)))(keys)
+        return jax.vmap(lambda d: race_noise(seed, position + d, vocab_size))(offsets)
 
     return jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(start).astype(jnp.int32))
+
+
+def race_noise(seed: Int[Array, ""], index: Int[Array, ""], vocab_size: int) -> Float[Array, "V"]:
+    """The Exp(1) noise of the race that draws the token at `index` in a plain decode step (and a
+    verify step's bonus there): one definition, so the coupled rule races exactly what plain
+    sampling races."""
+    return exp_noise(jax.random.fold_in(step_key(seed, index), _EXP_STREAM), (vocab_size,))
 
 
 def draft_noise(
@@ -162,9 +168,9 @@ def make_verify_noise(
     """
 
     def one(seed, position):
-        key = step_key(seed, position)
-        u = jax.random.uniform(jax.random.fold_in(key, _UNIFORM_STREAM), (num_nodes,), jnp.float32)
-        return u, exp_noise(jax.random.fold_in(key, _EXP_STREAM), (vocab_size,))
+        u = jax.random.uniform(jax.random.fold_in(step_key(seed, position), _UNIFORM_STREAM), (num_nodes,),
+                               jnp.float32)
+        return u, race_noise(seed, position, vocab_size)
 
     return jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(positions))
 
