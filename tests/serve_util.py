@@ -119,3 +119,19 @@ def post_and_keep_open(url: str, path: str, body: dict) -> socket.socket:
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
+
+
+def wait_until_healthy(url: str, procs, timeout: float, interval: float = 0.2) -> bool:
+    """Poll `url`/health until it answers 200 (True), or until the deadline passes (True: the
+    caller's next request says what is wrong); False as soon as one of `procs` has exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if any(p.poll() is not None for p in procs):
+            return False
+        time.sleep(interval)
+    return True

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serve_util import SERVE_CFG, free_port
+from tests.serve_util import SERVE_CFG, free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,15 +117,7 @@ def test_sigterm_drains_open_streams_and_exits_0(chat_model_dir):
         results[k] = lines
 
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, "server exited early"
-            time.sleep(0.2)
+        assert wait_until_healthy(url, [proc], 300), "server exited early"
         threads = [threading.Thread(target=stream, args=(k,)) for k in range(24)]
         for t in threads:
             t.start()

@@ -11,12 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.serve_util import SERVE_CFG, free_port
+from tests.serve_util import SERVE_CFG, free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,20 +43,12 @@ def test_two_processes_serve_one_mesh(chat_model_dir):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if any(p.poll() is not None for p in procs):
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                raise AssertionError("a server process exited early:\n" + "\n---\n".join(
-                    p.communicate()[0][-3000:] for p in procs))
-            time.sleep(0.5)
+        if not wait_until_healthy(url, procs, 600, interval=0.5):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            raise AssertionError("a server process exited early:\n" + "\n---\n".join(
+                p.communicate()[0][-3000:] for p in procs))
         got = []
         for p in prompts:  # concurrent rows would also work; one at a time keeps the check simple
             r = httpx.post(url + "/v1/completions", timeout=120,
