@@ -4,6 +4,11 @@
 (`top_k_top_p_mask_ref`, the specification) only when a row's kept set does not fit; these tests
 hold the two equal on random rows (ties, every tier, the fallback) and chi-square the sampler at
 batch 1 and 8 against numpy.
+
+`race_filtered` (the sampler of plain decoding, the coupled verify and coupled drafts) races only
+the pre-selected candidates, with their noise hashed entry by entry (`exp_noise_at`): held equal,
+token for token, to the dense race over softmax / noise (the specification), with the fast path
+shown to run (a poisoned dense path changes nothing for rows that fit, and does for rows that don't).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import pytest
 from scipy import stats
 
 from jaxspec.speculative import sampling
-from jaxspec.speculative.sampling import sample_token, top_k_top_p_mask, top_k_top_p_mask_ref
+from jaxspec.speculative.sampling import (exp_noise, exp_noise_at, race_filtered, race_key, sample_token,
+                                          target_probs_from_logits, top_k_top_p_mask, top_k_top_p_mask_ref)
 
 V = 300
 
@@ -59,11 +65,14 @@ def _np_filtered(logits, t, k, p):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("t,k,p", [(0.8, 20, 1.0), (0.8, 0, 0.9), (1.0, 40, 0.8)], ids=["top-k", "top-p", "both"])
-def test_sampler_draws_the_filtered_distribution(monkeypatch, batch, t, k, p):
+@pytest.mark.parametrize("t,k,p,peak", [(0.8, 20, 1.0, 0), (0.8, 0, 0.9, 0), (1.0, 40, 0.8, 0), (1.0, 0, 1.0, 30)],
+                         ids=["top-k", "top-p", "both", "T-only-peaked"])
+def test_sampler_draws_the_filtered_distribution(monkeypatch, batch, t, k, p, peak):
     monkeypatch.setattr(sampling, "SELECT_TIERS", (16, 64))
     rng = np.random.default_rng(batch * 100 + k)
     logits = (rng.standard_normal((batch, V)) * 2.0).astype(np.float32)
+    # peak: ten tokens far above the rest, so a temperature-only row races its candidates alone
+    logits[:, :10] += peak
     fn = jax.jit(lambda seeds: sample_token(jnp.asarray(logits), jnp.full((batch,), t), jnp.full((batch,), k, jnp.int32),
                                             jnp.full((batch,), p), seeds, jnp.full((batch,), 7, jnp.int32)))
     draws = 24_000 // batch
@@ -92,3 +101,72 @@ def test_chi_square_detects_a_wrong_cutoff():
     toks = np.concatenate([np.asarray(fn(jnp.arange(i * 8, i * 8 + 1, dtype=jnp.uint32))) for i in range(24_000)])
     w = _np_filtered(logits[0], 0.8, 20, 1.0)
     assert np.bincount(toks, minlength=V)[w == 0].sum() > 0
+
+
+def _keys(b, n, salt):
+    return jax.vmap(jax.vmap(race_key, in_axes=(None, 0)))(jnp.arange(b, dtype=jnp.uint32) + 1000 * salt,
+                                                          jnp.arange(b * n, dtype=jnp.int32).reshape(b, n) + salt)
+
+
+def test_noise_at_equals_the_dense_draw():
+    keys = _keys(3, 2, 5)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 49_152, (3, 2, 40)), jnp.int32)
+    dense = jax.vmap(jax.vmap(lambda k: exp_noise(k, (49_152,))))(keys)
+    np.testing.assert_array_equal(np.asarray(exp_noise_at(keys, ids)),
+                                  np.asarray(jnp.take_along_axis(dense, ids, axis=-1)))
+
+
+def _race_case(rng, b=4, n=3, v=V):
+    logits = (rng.standard_normal((b, n, v)) * rng.uniform(0.5, 4.0, (b, 1, 1))).astype(np.float32)
+    logits[:, :, :8] += rng.choice([0.0, 6.0, 40.0], (b, 1, 1)).astype(np.float32)  # flat, peaked, decided rows
+    t = rng.choice([0.0, 0.7, 1.0, 1.5], b).astype(np.float32)
+    k = rng.choice([0, 1, 5, 16, 40, 100], b).astype(np.int32)
+    p = rng.choice([1.0, 1.0, 0.9, 0.5], b).astype(np.float32)
+    return logits, t, k, p
+
+
+def _dense_race(logits, t, k, p, keys, token_ids=None, noise_size=None):
+    """The specification: softmax of the filtered logits over the dense noise, argmax of the ratio."""
+    probs = target_probs_from_logits(logits, t, k, p)
+    size = logits.shape[-1] if token_ids is None else noise_size
+    noise = jax.vmap(jax.vmap(lambda key: exp_noise(key, (size,))))(keys)
+    if token_ids is not None:
+        noise = noise[..., token_ids]
+    return np.asarray(sampling.argmax_last(probs / noise))
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced-vocab"])
+def test_race_filtered_equals_the_dense_race(reduced):
+    rng = np.random.default_rng(11 + reduced)
+    token_ids = jnp.asarray(rng.permutation(2 * V)[:V], jnp.int32) if reduced else None
+    race = jax.jit(lambda *a: race_filtered(*a, token_ids=token_ids, noise_size=2 * V, tiers=(16, 64)))
+    for trial in range(30):
+        logits, t, k, p = _race_case(rng)
+        keys = _keys(4, 3, trial)
+        want = _dense_race(logits, t, k, p, keys, token_ids, 2 * V)
+        np.testing.assert_array_equal(np.asarray(race(logits, t, k, p, keys)), want,
+                                      err_msg=f"trial {trial}: T={t} top_k={k} top_p={p}")
+
+
+def test_race_filtered_races_only_the_candidates_where_they_decide(monkeypatch):
+    """With the dense race poisoned (noise 1: the race becomes an argmax), rows whose kept set
+    fits the candidates still draw the reference token, so the fast path ran; a flat
+    temperature-only row cannot fit, and there the poison shows (the positive control)."""
+    poisoned = lambda keys, vocab, token_ids, size: jnp.ones((*keys.shape, vocab), jnp.float32)  # noqa: E731
+    monkeypatch.setattr(sampling, "_dense_noise", poisoned)
+    rng = np.random.default_rng(5)
+    fits = jax.jit(lambda *a: race_filtered(*a, tiers=(16, 64)))
+    differs = 0
+    for trial in range(20):
+        logits = (rng.standard_normal((2, 1, V)) * 2.0).astype(np.float32)
+        keys = _keys(2, 1, trial)
+        t = np.full(2, 1.0, np.float32)
+        filtered = (t, np.array([5, 0], np.int32), np.array([1.0, 0.8], np.float32))  # top-k 5; top-p 0.8
+        peaked = logits.copy()
+        peaked[..., :20] += 5.0  # the top-p row's nucleus then lies inside 64 candidates
+        np.testing.assert_array_equal(np.asarray(fits(peaked, *filtered, keys)), _dense_race(peaked, *filtered, keys))
+        flat = (t, np.zeros(2, np.int32), np.ones(2, np.float32))  # temperature only, flat: the dense race
+        got = np.asarray(fits(logits, *flat, keys))
+        np.testing.assert_array_equal(got, logits.argmax(-1))  # the poisoned race is an argmax
+        differs += int((got != _dense_race(logits, *flat, keys)).any())
+    assert differs > 10

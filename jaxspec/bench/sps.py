@@ -58,30 +58,54 @@ def device_description() -> str:
     return f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
 
 
-def make_verify_fn(cfg):
-    """verify(params, cache, tokens [B, w], page_table, seq_lens [B]) -> (cache, logits [B, w, V])."""
+# Per-row sampling the `--sampled` comparison times beside greedy (temperature, top-k, top-p).
+SAMPLED = {"greedy": (0.0, 0, 1.0), "T 0.8": (0.8, 0, 1.0), "T 0.8, top-k 50": (0.8, 50, 1.0),
+           "T 0.8, top-p 0.9": (0.8, 0, 0.9)}
+
+
+def make_verify_fn(cfg, accept: tuple[float, int, float] | None = None):
+    """verify(params, cache, tokens [B, w], page_table, seq_lens [B]) -> (cache, logits [B, w, V]).
+
+    `accept` = (temperature, top_k, top_p): return instead the token the target emits after each
+    position [B, w], as the loop's verify decides it (argmax for greedy; the coupled rule's race
+    for sampled rows), so a timing holds the whole verify step."""
+    from jaxspec.engine.device_sampling import DeviceSampling
     from jaxspec.models.llama import forward
+    from jaxspec.speculative.sampling import argmax_last, coupled_predict
     from jaxspec.speculative.tree import build_chain_tree
 
     def verify(params, cache, tokens, page_table, seq_lens):
         tree = build_chain_tree(tokens, seq_lens)
         out = forward(params, cfg, tokens, tree.positions, cache, page_table, q_start=seq_lens,
                       kv_len=seq_lens + tokens.shape[1], tree_mask=tree.mask)
-        return out.cache, out.logits
+        if accept is None:
+            return out.cache, out.logits
+        b, w = tokens.shape
+        t, k, p = accept
+        if t <= 0:
+            return out.cache, argmax_last(out.logits)
+        sp = DeviceSampling(temperature=jnp.full((b,), t, jnp.float32), top_k=jnp.full((b,), k, jnp.int32),
+                            top_p=jnp.full((b,), p, jnp.float32), seed=jnp.arange(b, dtype=jnp.uint32),
+                            stop_ids=jnp.full((b, 1), -1, jnp.int32), max_new=jnp.ones((b,), jnp.int32))
+        depth = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+        return out.cache, coupled_predict(out.logits, depth, sp, seq_lens + 1, w - 1)
 
     return jax.jit(verify, donate_argnums=(1,))
 
 
 def measure(params, cfg, batches, widths, *, context: int = 256, repeats: int = 3, steps: int = 5,
-            page_size: int = 16, seed: int = 0, progress: bool = False) -> dict[tuple[int, int], float]:
+            page_size: int = 16, seed: int = 0, progress: bool = False,
+            accepts: dict[str, tuple] | None = None) -> dict[tuple, float]:
     """{(B, w): median verify steps/s} for every batch x width; `params` in the runtime layout
-    (`prepare_params`).
+    (`prepare_params`). With `accepts` ({label: (temperature, top_k, top_p)}): {(B, w, label): ...},
+    each step also deciding the emitted tokens under that sampling (`make_verify_fn`).
 
     Every (B, w) is compiled and warmed first; then the repeats run round-robin over all of them,
     so a spell of other work on the machine slows every configuration alike instead of a few."""
     from jaxspec.cache.paged import KVCache
 
-    fn = make_verify_fn(cfg)
+    modes = accepts or {None: None}
+    fns = {label: make_verify_fn(cfg, acc) for label, acc in modes.items()}
     rng = np.random.default_rng(seed)
     dtype = params["embed"].dtype
     pages_per_seq = -(-(context + max(widths)) // page_size)
@@ -94,23 +118,42 @@ def measure(params, cfg, batches, widths, *, context: int = 256, repeats: int = 
         lens[b] = jnp.full((b,), context, jnp.int32)
         for w in widths:
             toks[b, w] = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, w)), jnp.int32)
-            t0 = time.perf_counter()
-            caches[b], logits = fn(params, caches[b], toks[b, w], tables[b], lens[b])  # compile + warm
-            logits.block_until_ready()
-            if progress:
-                print(f"  compiled B={b} w={w} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-    rates: dict[tuple[int, int], list[float]] = {k: [] for k in toks}
+            for label, fn in fns.items():
+                t0 = time.perf_counter()
+                caches[b], logits = fn(params, caches[b], toks[b, w], tables[b], lens[b])  # compile + warm
+                logits.block_until_ready()
+                if progress:
+                    print(f"  compiled B={b} w={w}{'' if label is None else ' ' + label} "
+                          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    keys = [(b, w, label) for b, w in toks for label in fns]
+    rates: dict[tuple, list[float]] = {k: [] for k in keys}
     for r in range(repeats):
-        for b, w in toks:
+        for b, w, label in keys:
+            fn = fns[label]
             t0 = time.perf_counter()
             for _ in range(steps):
                 caches[b], logits = fn(params, caches[b], toks[b, w], tables[b], lens[b])
             logits.block_until_ready()
-            rates[b, w].append(steps / (time.perf_counter() - t0))
+            rates[b, w, label].append(steps / (time.perf_counter() - t0))
         if progress:
-            print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"B{b}w{w} {v[-1]:.1f}" for (b, w), v in rates.items()),
-                  file=sys.stderr, flush=True)
-    return {k: float(np.median(v)) for k, v in rates.items()}
+            print(f"  repeat {r + 1}/{repeats}: " + ", ".join(
+                f"B{b}w{w}{'' if lb is None else ' ' + lb} {v[-1]:.1f}" for (b, w, lb), v in rates.items()),
+                file=sys.stderr, flush=True)
+    med = {k: float(np.median(v)) for k, v in rates.items()}
+    return med if accepts else {(b, w): v for (b, w, _), v in med.items()}
+
+
+def print_sampled(measured: dict[tuple, float]) -> None:
+    """Each sampled verify step's cost against the greedy step of the same batch and width."""
+    from jaxspec.bench.common import print_table
+
+    labels = [lb for lb in SAMPLED if lb != "greedy"]
+    bw = sorted({(b, w) for b, w, _ in measured})
+    print("
+verify step (forward + accept decision), sampled (coupled rule) against greedy, ms/step:\n")
+    print_table(["batch", "width", "greedy ms"] + [f"{lb} ms" for lb in labels] + [f"{lb} / greedy" for lb in labels],
+                [[b, w, 1000 / measured[b, w, "greedy"]] + [1000 / measured[b, w, lb] for lb in labels]
+                 + [f"{measured[b, w, 'greedy'] / measured[b, w, lb]:.2f}x" for lb in labels] for b, w in bw])
 
 
 def to_table(measured: dict[tuple[int, int], float], **meta):
@@ -201,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cpu-kernels", default="auto", choices=("auto", "native", "xla"))
     p.add_argument("--out", help="JSON path (default configs/sps/<device>.json, cpu-<cores>core on CPU)")
+    p.add_argument("--sampled", action="store_true",
+                   help="instead of the table: time each verify step with its accept decision, greedy against "
+                        "sampled rows (T 0.8; top-k 50; top-p 0.9) side by side; writes nothing")
     return p
 
 
@@ -222,6 +268,14 @@ def main(argv=None) -> int:
         print(f"error: --context {args.context} + width {max(args.widths)} exceeds the model's "
               f"{cfg.max_position_embeddings} positions", file=sys.stderr)
         return 2
+    if args.sampled:
+        before = _load()
+        measured = measure(params, cfg, args.batches, args.widths, context=args.context, repeats=args.repeats,
+                           steps=args.steps, page_size=args.page_size, progress=True, accepts=SAMPLED)
+        print(f"\n{name}, context {args.context}, {device_description()}, {time.strftime('%Y-%m-%d')}"
+              + (f", {load_note(before, _load())}" if before is not None else ""))
+        print_sampled(measured)
+        return 0
     out = Path(args.out) if args.out else Path("configs/sps") / f"{device_name()}.json"
     source = "python -m jaxspec.bench sps " + " ".join(argv)
     table = run(params, cfg, batches=args.batches, widths=args.widths, context=args.context, repeats=args.repeats,

@@ -128,11 +128,11 @@ def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState):
     sp = s.sampling
 
     def sampled():
-        probs = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-        if plan.sampled_rule == "coupled":
+        if plan.sampled_rule == "coupled":  # the races alone: no distribution over V is built
             return verify_greedy(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling,
-                                 coupled_predict(probs, tree.depth, sp.seed, s.hist_len, plan.max_depth),
+                                 coupled_predict(logits, tree.depth, sp, s.hist_len, plan.max_depth),
                                  max_depth=plan.max_depth)
+        probs = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
         uniforms, bonus_noise = make_verify_noise(sp.seed, s.hist_len, tokens.shape[1], logits.shape[-1])
         if plan.sampled_rule == "target-only":
             return verify_target_only(

@@ -43,13 +43,16 @@ Calls (pure, jitted inside the engine's programs, except prepare_params):
       slots chunk.start.., `chunk.features` their target features).
   propose(params, state, s: SpecState) -> Proposal
       Draft the tree for loop state `s` (history, hist_len, page table, done,
-      sampling, corpus). A drafter that samples draws its noise with
-      `sampling.draft_noise(seed, s.hist_len, depth, size, coupled)`, where
-      coupled = (plan.sampled_rule == "coupled"): under rejection that is the
+      sampling, corpus). A drafter that samples under the rejection rule draws
+      its noise with `sampling.draft_noise(seed, s.hist_len, depth, size)`: the
       step's own draft stream, independent of every earlier step's and of the
-      verify's coins (losslessness needs it); under the coupled rule it is the
-      target's race noise at the draft's position (any noise is exact there;
-      this one makes drafts land where the target's sample does).
+      verify's coins (losslessness needs it), and returns q (declaring
+      provides_draft_probs). Under the coupled rule (plan.sampled_rule ==
+      "coupled") it returns no q: any draft is exact there, and racing its
+      distribution with the target's noise at the draft's position
+      (`sampling.race_filtered` keyed by `race_key(seed, s.hist_len + depth - 1)`,
+      what `drafters.features.choose_draft` does) lands drafts where the
+      target's sample does.
   observe(params, state, committed: Committed, page_table) -> state
       The draft-extend after verify: the root and accepted drafts with their
       target features (SGLang's draft_extend_for_decode).

@@ -24,7 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 # fold_in tags separating the noise streams of one (seed, index) step key.
 _UNIFORM_STREAM = 0  # acceptance coins, one per tree node
@@ -75,32 +75,16 @@ def draft_key(seed: Int[Array, ""], index: Int[Array, ""], depth: int | Int[Arra
     return jax.random.fold_in(key, jnp.asarray(depth).astype(jnp.uint32))
 
 
-def position_noise(
-    seeds: Int[Array, "B"],
-    start: Int[Array, "B"],
-    count: int,
-    vocab_size: int,
-) -> Float[Array, "B count V"]:
-    """The race noise of the tokens at indices start .. start+count-1, [B, count, V].
-
-    Entry [b, d] is the Exp(1) noise a plain decode step emitting index start+d races with
-    (`make_verify_noise`'s bonus noise at that position). THE COUPLED RULE's noise: a verify
-    that takes, at every position, the target's race under this noise emits exactly the
-    tokens plain sampling with the same seed emits, whatever was drafted.
-    """
-    offsets = jnp.arange(count, dtype=jnp.int32)
-
-    def one(seed, position):
-        return jax.vmap(lambda d: race_noise(seed, position + d, vocab_size))(offsets)
-
-    return jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(start).astype(jnp.int32))
+def race_key(seed: Int[Array, ""], index: Int[Array, ""]) -> jax.Array:
+    """The key of the race that draws the token at `index`: a plain decode step's, a verify step's
+    bonus there, and the coupled rule's prediction there (one definition, so the coupled rule
+    races exactly what plain sampling races)."""
+    return jax.random.fold_in(step_key(seed, index), _EXP_STREAM)
 
 
 def race_noise(seed: Int[Array, ""], index: Int[Array, ""], vocab_size: int) -> Float[Array, "V"]:
-    """The Exp(1) noise of the race that draws the token at `index` in a plain decode step (and a
-    verify step's bonus there): one definition, so the coupled rule races exactly what plain
-    sampling races."""
-    return exp_noise(jax.random.fold_in(step_key(seed, index), _EXP_STREAM), (vocab_size,))
+    """The Exp(1) noise of the race that draws the token at `index`, over the whole vocabulary."""
+    return exp_noise(race_key(seed, index), (vocab_size,))
 
 
 def draft_noise(
@@ -108,22 +92,12 @@ def draft_noise(
     hist_len: Int[Array, "B"],
     depth: int,
     size: int,
-    coupled: bool,
-    d2t: Int[Array, "Vd"] | None = None,
-    vocab_size: int | None = None,
 ) -> Float[Array, "B Vd"]:
-    """The Exp(1) noise a sampling drafter races its depth-`depth` draft (1-based) with, [B, size].
-
-    Independent (rejection verify): the step's draft stream (`draft_key`), independent of the
-    verify's coins and bonus race, which losslessness of rejection needs. Coupled: the target's
-    own race noise at the draft's position hist_len + depth - 1 (seen through d2t for a reduced
-    draft vocabulary, whose tokens then race with their target ids' noise), so a draft that
-    follows q close to p lands on the token the target will race to (Gumbel-max coupling).
-    """
-    if not coupled:
-        return jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, depth), (size,)))(seeds, hist_len)
-    full = position_noise(seeds, hist_len + depth - 1, 1, vocab_size or size)[:, 0]
-    return full if d2t is None else full[:, d2t]
+    """The Exp(1) noise a sampling drafter races its depth-`depth` draft (1-based) with under the
+    rejection rule, [B, size]: the step's draft stream (`draft_key`), independent of the verify's
+    coins and bonus race, which losslessness of rejection needs. (Under the coupled rule a
+    drafter races with the target's own noise instead: `race_filtered` with `race_key`.)"""
+    return jax.vmap(lambda sd, i: exp_noise(draft_key(sd, i, depth), (size,)))(seeds, hist_len)
 
 
 def exp_noise(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "*shape"]:
@@ -138,9 +112,44 @@ def exp_noise(key: jax.Array, shape: tuple[int, ...]) -> Float[Array, "*shape"]:
     [6e-8, 16.6]: a token of probability p can win only by the ratio the exact
     race allows up to that discretisation.
     """
-    bits = jax.random.bits(key, shape, jnp.uint32)
+    return _exp_from_bits(jax.random.bits(key, shape, jnp.uint32))
+
+
+def _exp_from_bits(bits):
     u = ((bits >> 9).astype(jnp.float32) + 0.5) * (2.0 ** -23)
     return -jnp.log(u)
+
+
+# -log of the smallest E `exp_noise` can return (u = 1 - 2^-24) is 16.64: no race score
+# s_v - log E_v exceeds s_v by more. Rounded up, for the float32 arithmetic around it.
+_MAX_RACE_GAIN = 17.0
+
+
+def sparse_noise_supported() -> bool:
+    """Whether `exp_noise_at` can reproduce `exp_noise`'s entries one by one: with partitionable
+    threefry (JAX's default since 0.5) entry i of `jax.random.bits(key, (V,))` is
+    threefry2x32(key, (0, i)), a function of i alone."""
+    return bool(jax.config.jax_threefry_partitionable) and jax.config.jax_default_prng_impl == "threefry2x32"
+
+
+def exp_noise_at(
+    keys: jax.Array,
+    ids: Int[Array, "*K C"],
+) -> Float[Array, "*K C"]:
+    """`exp_noise(key, (V,))[ids]` for a batch of keys [*K] and ids [*K, C], computing only those
+    entries (any V above max(ids)): the race noise of a few candidate tokens costs C hashes
+    instead of V. Bit-identical to the dense draw (tested); needs `sparse_noise_supported()`."""
+    from jax.extend.random import threefry_2x32
+
+    lead = ids.shape[:-1]
+    data = jax.random.key_data(keys).reshape(-1, 2)
+    flat = ids.reshape(-1, ids.shape[-1]).astype(jnp.uint32)
+
+    def one(kd, c):
+        x = threefry_2x32((kd[0], kd[1]), jnp.stack([jnp.zeros_like(c), c]))
+        return x[0] ^ x[1]
+
+    return _exp_from_bits(jax.vmap(one)(data, flat)).reshape(*lead, ids.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("num_nodes", "vocab_size"))
@@ -184,26 +193,27 @@ def race_sample(
 
 
 def coupled_predict(
-    probs: Float[Array, "B N V"],
+    logits: Float[Array, "B N V"],
     depth: Int[Array, "B N"],
-    seeds: Int[Array, "B"],
+    sampling,
     hist_len: Int[Array, "B"],
     max_depth: int,
 ) -> Int[Array, "B N"]:
     """THE COUPLED RULE: the token the target races to after each tree node, [B, N].
 
     A node at depth d (root 0) predicts the token at index hist_len + d, so it races with
-    that index's noise: the very draw plain sampling makes there. Greedy verification of the
-    tree against these predictions then accepts a draft exactly when it equals the target's
-    sample, and emits the sample at the first miss, so the output is plain sampling with the
-    request's seed, token for token, whatever the drafter proposed, its draft shape, or the
-    batch: exact (every index's noise is independent of the history that set its p), and
-    reproducible by construction. The price: a draft is accepted with P(draft = sample),
-    which a coupled drafter (`draft_noise`) pushes toward, but not up to, sum min(p, q).
+    that index's noise: the very draw plain sampling makes there (`race_filtered` under
+    `race_key`, as `sample_token`). Greedy verification of the tree against these predictions
+    then accepts a draft exactly when it equals the target's sample, and emits the sample at
+    the first miss, so the output is plain sampling with the request's seed, token for token,
+    whatever the drafter proposed, its draft shape, or the batch: exact (every index's noise
+    is independent of the history that set its p), and reproducible by construction. The
+    price: a draft is accepted with P(draft = sample), which a coupled drafter (racing its q
+    with the same noise) pushes toward, but not up to, sum min(p, q).
     """
-    noise = position_noise(seeds, hist_len, max_depth + 1, probs.shape[-1])  # [B, D + 1, V]
-    at_node = jnp.take_along_axis(noise, jnp.clip(depth, 0, max_depth)[..., None], axis=1)  # [B, N, V]
-    return race_sample(probs, at_node).astype(jnp.int32)
+    index = hist_len[:, None] + jnp.clip(depth, 0, max_depth)
+    keys = jax.vmap(jax.vmap(race_key, in_axes=(None, 0)))(sampling.seed, index)
+    return race_filtered(logits, sampling.temperature, sampling.top_k, sampling.top_p, keys)
 
 
 # Candidates the fast filter pre-selects per row, in tiers: 64 holds top-k 50 and most top-p
@@ -212,20 +222,19 @@ def coupled_predict(
 SELECT_TIERS = (64, 256, 1024)
 
 
-def _cutoff_mask(
+def _cutoff(
     scaled: Float[Array, "B N V"],
+    vals: Float[Array, "B N kk"],
     top_k: Int[Array, "B"],
     top_p: Float[Array, "B"],
-    kk: int,
-) -> tuple[Float[Array, "B N V"], jax.Array]:
-    """(the filtered logits, whether every row's kept set fits in its kk largest values)."""
-    vocab = scaled.shape[-1]
-    # 1. The kk largest values of every row, descending: the reference's sorted prefix.
-    vals = jax.lax.top_k(scaled, kk)[0]  # [B, N, kk]
+) -> tuple[Float[Array, "B N 1"], Bool[Array, "B N"], Bool[Array, "B"]]:
+    """(each row's cutoff value, whether its kept set is decided by its kk largest values `vals`
+    (descending), whether the row filters nothing). The kept set is {v: scaled_v >= cutoff}."""
+    vocab, kk = scaled.shape[-1], vals.shape[-1]
     rank = jnp.arange(kk, dtype=jnp.int32)
     k_on = (top_k > 0) & (top_k < vocab)
     in_top_k = rank < jnp.where(k_on, top_k, vocab)[:, None, None]
-    # 2. The top-p mass: over the top-k set when top-k is on (then it must lie inside the kk
+    # 1. The top-p mass: over the top-k set when top-k is on (then it must lie inside the kk
     #    values), else over the whole vocabulary (normalised by the full logsumexp).
     probs_k = jax.nn.softmax(jnp.where(in_top_k, vals, -jnp.inf), axis=-1)
     probs_v = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
@@ -235,10 +244,21 @@ def _cutoff_mask(
     keep = in_top_k & ((cum - probs < p) | (p >= 1.0))
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     cutoff = jnp.take_along_axis(vals, n_keep - 1, axis=-1)
-    # 3. Rows that filter nothing keep everything; the others need their cutoff inside kk.
+    # 2. Rows that filter nothing keep everything; the others need their cutoff inside kk.
     no_filter = ~k_on & (top_p >= 1.0)
     cutoff = jnp.where(no_filter[:, None, None], -jnp.inf, cutoff)
     fits = ((k_on & (top_k <= kk)) | no_filter)[:, None] | (~k_on[:, None] & (cum[..., -1] >= top_p[:, None]))
+    return cutoff, fits, no_filter
+
+
+def _cutoff_mask(
+    scaled: Float[Array, "B N V"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    kk: int,
+) -> tuple[Float[Array, "B N V"], jax.Array]:
+    """(the filtered logits, whether every row's kept set fits in its kk largest values)."""
+    cutoff, fits, _ = _cutoff(scaled, jax.lax.top_k(scaled, kk)[0], top_k, top_p)
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf), jnp.all(fits)
 
 
@@ -329,6 +349,84 @@ def target_probs_from_logits(
     return jnp.where(greedy[:, None, None], one_hot, probs)
 
 
+def race_filtered(
+    logits: Float[Array, "B N V"],
+    temperature: Float[Array, "B"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    keys: jax.Array,
+    token_ids: Int[Array, "V"] | None = None,
+    noise_size: int | None = None,
+    tiers: tuple[int, ...] | None = None,
+) -> Int[Array, "B N"]:
+    """THE SAMPLER: the token each row's race draws from its filtered distribution, [B, N].
+
+    Row (b, n) draws argmax over the kept set {v: s_v >= cutoff} of s_v - log E_v, with
+    s = logits / T, the cutoff of `top_k_top_p_mask` and E = exp_noise(keys[b, n], (V,)): the
+    exponential race of the module docstring in the log domain (softmax(s)_v / E_v has the
+    same argmax), so the token is distributed as the filtered softmax. Greedy rows
+    (T <= 0) take the argmax. `token_ids` [V]: entry v races with the noise of token
+    token_ids[v] among `noise_size` (a drafter's reduced vocabulary seen through d2t).
+
+    The fast path never touches V-sized noise: the kk largest values (`lax.top_k`) hold every
+    filtered row's kept set when its cutoff lies inside them, and their noise is hashed one
+    entry at a time (`exp_noise_at`, bit-identical to the dense draw). A row that filters
+    nothing fits too when its best candidate's score beats the kk-th value by more than any
+    noise can lift a token (`_MAX_RACE_GAIN`): no token outside can then win. Otherwise the
+    batch tries the next tier, and past the last the dense race over V: the same scores, so
+    the same token, whichever path ran. On CPU the dense race costs ~1.7 ms for 8 rows of
+    49,152 (noise, log, max), several times a greedy argmax; the fast path a `top_k` of 64.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy = temperature <= 0.0
+    safe_t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+    scaled = logits / safe_t[:, None, None]
+    ids_map = (lambda i: i) if token_ids is None else (lambda i: token_ids[i])  # noqa: E731
+
+    def dense():
+        needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+        masked = jax.lax.cond(needs_filter, lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
+        noise = _dense_noise(keys, vocab, token_ids, noise_size)
+        return argmax_last(jnp.where(masked > -jnp.inf, masked - jnp.log(noise), -jnp.inf)).astype(jnp.int32)
+
+    def sparse(kk: int, rest: tuple[int, ...]):
+        def run():
+            vals, idx = jax.lax.top_k(scaled, kk)  # [B, N, kk], descending
+            cutoff, fits, no_filter = _cutoff(scaled, vals, top_k, top_p)
+            noise = exp_noise_at(keys, ids_map(idx))
+            score = jnp.where(vals >= cutoff, vals - jnp.log(noise), -jnp.inf)
+            best = jnp.max(score, axis=-1)
+            inside = jnp.where(no_filter[:, None], best > vals[..., -1] + _MAX_RACE_GAIN,
+                               fits & (vals[..., -1] < cutoff[..., 0]))
+            token = jnp.take_along_axis(idx, argmax_last(score)[..., None], axis=-1)[..., 0].astype(jnp.int32)
+            ok = jnp.all(inside | greedy[:, None])
+            nxt = (lambda: sparse(rest[0], rest[1:])()) if rest else dense
+            return jax.lax.cond(ok, lambda: token, nxt)
+
+        return run
+
+    tiers = tuple(t for t in (SELECT_TIERS if tiers is None else tiers) if t < vocab)
+    sampled = sparse(tiers[0], tiers[1:]) if tiers and sparse_noise_supported() else dense
+    # 0: all greedy (no sampler: the dense race draws V-sized noise); 1: mixed; 2: all sampled
+    # (no argmax pass over the vocabulary).
+    argmax = lambda: argmax_last(logits).astype(jnp.int32)  # noqa: E731
+    mixed = lambda: jnp.where(greedy[:, None], argmax(), sampled())  # noqa: E731
+    case = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 1, 2))
+    return jax.lax.switch(case, [argmax, mixed, sampled])
+
+
+def _dense_noise(keys: jax.Array, vocab: int, token_ids: Int[Array, "V"] | None,
+                 noise_size: int | None) -> Float[Array, "B N V"]:
+    """exp_noise of each key [B, N] over the vocabulary the races index: [..., token_ids] of the
+    noise over `noise_size` tokens for a reduced vocabulary."""
+    if token_ids is None:
+        return jax.vmap(jax.vmap(lambda k: exp_noise(k, (vocab,))))(keys)
+    if sparse_noise_supported():  # only the entries token_ids names
+        return exp_noise_at(keys, jnp.broadcast_to(token_ids, (*keys.shape, token_ids.shape[0])))
+    return jax.vmap(jax.vmap(lambda k: exp_noise(k, (noise_size,))[token_ids]))(keys)
+
+
 @jax.jit
 def sample_token(
     logits: Float[Array, "B V"],
@@ -338,20 +436,8 @@ def sample_token(
     seeds: Int[Array, "B"],
     positions: Int[Array, "B"],
 ) -> Int[Array, "B"]:
-    """Ordinary (non-speculative) decoding: one token per request.
-
-    Same distribution processing as verification and the same noise stream as
-    a verify step's bonus token at (seed, position); greedy (exact argmax) when
-    temperature <= 0.
-    """
-    vocab = logits.shape[-1]
-
-    def sampled(logits):
-        probs = target_probs_from_logits(logits[:, None, :], temperature, top_k, top_p)[:, 0]
-        _, exp_noise = make_verify_noise(seeds, positions, 1, vocab)
-        return race_sample(probs, exp_noise)
-
-    # An all-greedy batch skips the vocab-sized noise draw (measured 1 ms at
-    # B=1, 5 ms at B=8 on CPU: a sizable share of a decode step). Same tokens.
-    greedy = argmax_last(logits)
-    return jax.lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy, sampled, logits)
+    """Ordinary (non-speculative) decoding: one token per request, drawn by `race_filtered`
+    under the race key at (seed, position), as a verify step's coupled prediction there;
+    greedy (exact argmax) when temperature <= 0."""
+    keys = jax.vmap(race_key)(seeds, positions)[:, None]
+    return race_filtered(logits[:, None], temperature, top_k, top_p, keys)[:, 0]

@@ -133,7 +133,7 @@ class BlockDrafter(DrafterBase):
 
     @property
     def provides_draft_probs(self) -> bool:
-        return self.sample_drafts
+        return self.sample_drafts and not self.coupled
 
     @property
     def width(self) -> int:

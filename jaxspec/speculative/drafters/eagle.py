@@ -61,7 +61,7 @@ class EagleDrafter(DrafterBase):
 
     @property
     def provides_draft_probs(self) -> bool:
-        return self.sample_drafts and self.topk == 1
+        return self.sample_drafts and not self.coupled and self.topk == 1
 
     def prepare_params(self, loaded, *, native: bool, unstack) -> dict:
         return prepare_head_params(loaded, self.head, native=native)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
-from jaxspec.speculative.sampling import draft_noise, race_sample, target_probs_from_logits
+from jaxspec.speculative.sampling import draft_noise, race_filtered, race_key, race_sample, target_probs_from_logits
 from jaxspec.speculative.types import Committed, Proposal
 
 
@@ -78,13 +78,14 @@ def choose_draft(
 ) -> tuple[Int[Array, "B"], Float[Array, "B V"] | None]:
     """One chain draft from draft logits: (target token id, q over the TARGET vocabulary | None).
 
-    Greedy: the argmax. Sampling (rejection verify): a draw from the request's
-    own temperature / top-k / top-p applied to the draft logits, keyed by the
-    step's draft key, with q returned over the target vocabulary (zero outside a
-    reduced draft vocabulary, which `d2t` maps into it). Greedy rows of a sampled
-    batch get a one-hot q, so they stay exactly greedy. `coupled` (the coupled
-    verify rule): the race uses the target's own noise at the draft's position
-    (`sampling.draft_noise`).
+    Greedy: the argmax. Rejection verify (`sample`): a draw from the request's own
+    temperature / top-k / top-p applied to the draft logits, keyed by the step's draft key,
+    with q returned over the target vocabulary (zero outside a reduced draft vocabulary,
+    which `d2t` maps into it). Greedy rows of a sampled batch get a one-hot q, so they stay
+    exactly greedy. `coupled` (the coupled verify rule, which never reads q): the draft is
+    the race of the draft distribution under the target's own noise at the draft's position
+    (`sampling.race_filtered` with the key plain sampling uses there), so a q close to p
+    lands on the token the target will race to; no q is built.
     """
     def greedy():
         idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -92,10 +93,15 @@ def choose_draft(
 
     if not sample:
         return greedy(), None
+    if coupled:
+        keys = jax.vmap(race_key)(sampling.seed, hist_len + depth - 1)[:, None]
+        idx = race_filtered(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p, keys,
+                            token_ids=d2t, noise_size=vocab)[:, 0]
+        return (idx if d2t is None else d2t[idx]), None
 
     def sampled():
         q = target_probs_from_logits(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
-        noise = draft_noise(sampling.seed, hist_len, depth, q.shape[-1], coupled, d2t, vocab)
+        noise = draft_noise(sampling.seed, hist_len, depth, q.shape[-1])
         idx = race_sample(q, noise).astype(jnp.int32)
         if d2t is None:
             return idx, q
@@ -123,6 +129,6 @@ def topk_children(
 def chain_proposal(root, drafts: list, qs: list, sampled: bool, state) -> Proposal:
     """A chain Proposal from the root [B] and per-depth drafts [B] with their q [B, V] (or None)."""
     probs = None
-    if sampled and qs:
+    if sampled and qs and qs[0] is not None:  # coupled drafts carry no q
         probs = jnp.stack([jnp.zeros_like(qs[0])] + qs, axis=1)  # [B, N, V]; the root's row is unused
     return Proposal(jnp.stack([root] + drafts, axis=1), None, probs, state)

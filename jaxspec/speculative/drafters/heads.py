@@ -123,7 +123,7 @@ class MedusaDrafter(_PendingOnly):
 
     @property
     def provides_draft_probs(self) -> bool:
-        return self.sample_drafts and self.topk == 1
+        return self.sample_drafts and not self.coupled and self.topk == 1
 
     @property
     def tree(self):
@@ -161,7 +161,7 @@ class MLPSpeculatorDrafter(_PendingOnly):
 
     @property
     def provides_draft_probs(self) -> bool:
-        return self.sample_drafts
+        return self.sample_drafts and not self.coupled
 
     def propose(self, params, state: FeatureState, s) -> Proposal:
         own = params["own"]

@@ -28,7 +28,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, Proposal
-from jaxspec.speculative.sampling import draft_noise, race_sample, target_probs_from_logits
+from jaxspec.speculative.drafters.features import choose_draft
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 
 
@@ -58,7 +58,7 @@ class StandaloneDrafter(DrafterBase):
 
     @property
     def provides_draft_probs(self) -> bool:
-        return self.sample_drafts and self.topk == 1
+        return self.sample_drafts and not self.coupled and self.topk == 1
 
     @property
     def max_depth(self) -> int:
@@ -118,15 +118,12 @@ class StandaloneDrafter(DrafterBase):
         cache = state.cache
         for step in range(n - 1):
             if self.sample_drafts:
-                # q uses the request's own temperature/top-k/top-p, so greedy
-                # requests draft greedily and q is one-hot for them.
-                q = target_probs_from_logits(
-                    logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p
-                )[:, 0]
-                # The step's own key (first emitted index = hist_len), one subkey per depth.
-                noise = draft_noise(sampling.seed, hist_len, step + 1, q.shape[-1], self.coupled)
-                tok = race_sample(q, noise).astype(jnp.int32)
-                qs.append(q)
+                # The request's own temperature/top-k/top-p, so greedy requests draft greedily
+                # (q one-hot); the step's own key (first emitted index = hist_len) per depth.
+                tok, q = choose_draft(logits, sampling, hist_len, step + 1, None, logits.shape[-1], True,
+                                      self.coupled)
+                if q is not None:
+                    qs.append(q)
             else:
                 tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             tokens.append(tok)
