@@ -46,3 +46,38 @@ def test_shipped_cpu_table_loads():
     table = SPSTable.load(REPO / "configs" / "sps" / "cpu-2core.json")
     assert table.tokens == (1, 2, 4, 8, 16, 32, 64)
     assert table.context == 256 and "SmolLM2" in table.model
+
+
+def test_sampled_verify_steps_decide_what_the_loop_decides(tmp_path, capsys):
+    """`--sampled` times verify steps with their accept decision: greedy rows emit the argmax of the
+    same forward's logits, sampled rows the coupled races (checked against the dense softmax / noise
+    race), and the run writes no table."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxspec.cache.paged import KVCache
+    from jaxspec.speculative import sampling
+
+    params, cfg, _ = sps.load("tiny", "float32", "xla")
+    b, w, ctx = 2, 3, 16
+    table = 1 + jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, w)), jnp.int32)
+    lens = jnp.full((b,), ctx, jnp.int32)
+
+    def run(accept):
+        cache = KVCache.zeros(cfg.num_layers, 1 + b * 2, 16, cfg.num_kv_heads, cfg.head_dim)
+        return np.asarray(sps.make_verify_fn(cfg, accept)(params, cache, toks, table, lens)[1])
+
+    logits = run(None)
+    np.testing.assert_array_equal(run(sps.SAMPLED["greedy"]), logits.argmax(-1))
+    t, k, p = sps.SAMPLED["T 0.8, top-p 0.9"]
+    keys = jax.vmap(jax.vmap(sampling.race_key, in_axes=(None, 0)))(jnp.arange(b, dtype=jnp.uint32),
+                                                                    lens[:, None] + 1 + jnp.arange(w)[None])
+    probs = sampling.target_probs_from_logits(logits, jnp.full((b,), t), jnp.full((b,), k), jnp.full((b,), p))
+    noise = jax.vmap(jax.vmap(lambda key: sampling.exp_noise(key, (cfg.vocab_size,))))(keys)
+    np.testing.assert_array_equal(run((t, k, p)), np.asarray(probs / noise).argmax(-1))
+    rc = sps.main(["--model", "tiny", "--batches", "1", "--widths", "2", "--context", "32", "--repeats", "1",
+                   "--steps", "1", "--sampled", "--out", str(tmp_path / "x.json")])
+    assert rc == 0 and not (tmp_path / "x.json").exists()
+    assert "T 0.8, top-p 0.9 / greedy" in capsys.readouterr().out

@@ -149,8 +149,7 @@ def print_sampled(measured: dict[tuple, float]) -> None:
 
     labels = [lb for lb in SAMPLED if lb != "greedy"]
     bw = sorted({(b, w) for b, w, _ in measured})
-    print("
-verify step (forward + accept decision), sampled (coupled rule) against greedy, ms/step:\n")
+    print("\nverify step (forward + accept decision), sampled (coupled rule) against greedy, ms/step:\n")
     print_table(["batch", "width", "greedy ms"] + [f"{lb} ms" for lb in labels] + [f"{lb} / greedy" for lb in labels],
                 [[b, w, 1000 / measured[b, w, "greedy"]] + [1000 / measured[b, w, lb] for lb in labels]
                  + [f"{measured[b, w, 'greedy'] / measured[b, w, lb]:.2f}x" for lb in labels] for b, w in bw])
