@@ -373,8 +373,9 @@ def race_filtered(
     entry at a time (`exp_noise_at`, bit-identical to the dense draw). A row that filters
     nothing fits too when its best candidate's score beats the kk-th value by more than any
     noise can lift a token (`_MAX_RACE_GAIN`): no token outside can then win. Otherwise the
-    batch tries the next tier, and past the last the dense race over V: the same scores, so
-    the same token, whichever path ran. On CPU the dense race costs ~1.7 ms for 8 rows of
+    dense race over V under this tier's cutoffs if they are right (a temperature-only row
+    that did not fit), else the next tier, and past the last the dense race after the sort:
+    the same scores, so the same token, whichever path ran. On CPU the dense race costs ~1.7 ms for 8 rows of
     49,152 (noise, log, max), several times a greedy argmax; the fast path a `top_k` of 64.
     """
     logits = logits.astype(jnp.float32)
@@ -384,9 +385,10 @@ def race_filtered(
     scaled = logits / safe_t[:, None, None]
     ids_map = (lambda i: i) if token_ids is None else (lambda i: token_ids[i])  # noqa: E731
 
-    def dense():
-        needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-        masked = jax.lax.cond(needs_filter, lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
+    def dense(masked=None):
+        if masked is None:  # the filter decides its own tiers, then the sort
+            needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+            masked = jax.lax.cond(needs_filter, lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
         noise = _dense_noise(keys, vocab, token_ids, noise_size)
         return argmax_last(jnp.where(masked > -jnp.inf, masked - jnp.log(noise), -jnp.inf)).astype(jnp.int32)
 
@@ -400,9 +402,14 @@ def race_filtered(
             inside = jnp.where(no_filter[:, None], best > vals[..., -1] + _MAX_RACE_GAIN,
                                fits & (vals[..., -1] < cutoff[..., 0]))
             token = jnp.take_along_axis(idx, argmax_last(score)[..., None], axis=-1)[..., 0].astype(jnp.int32)
-            ok = jnp.all(inside | greedy[:, None])
+            # 1. Every row decided by its candidates: their race. 2. The filter's cutoffs are right
+            # here (`top_k_top_p_mask`'s own test) but some row is not decided (a temperature-only
+            # row, a tie at the boundary): the dense race under those cutoffs; wider tiers would
+            # rarely decide such a row. 3. Else the next tier, and past the last the sort.
+            case = jnp.where(jnp.all(inside | greedy[:, None]), 0, jnp.where(jnp.all(fits), 1, 2))
             nxt = (lambda: sparse(rest[0], rest[1:])()) if rest else dense
-            return jax.lax.cond(ok, lambda: token, nxt)
+            return jax.lax.switch(case, [lambda: token, lambda: dense(jnp.where(scaled >= cutoff, scaled, -jnp.inf)),
+                                         nxt])
 
         return run
 
