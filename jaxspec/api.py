@@ -303,7 +303,7 @@ class LLM:
         corpus = load_corpus(spec.ngram_corpus, model, corpus_label) if spec_on and spec.ngram_corpus else None
         self.engine = Engine(model.params, model.config, cfg.engine, progress=progress,
                              spec=spec if spec_on else None, draft=draft, ngram_corpus=corpus, mesh=mesh,
-                             benchmark=benchmark)
+                             benchmark=benchmark, adaptive=spec_on and spec.adaptive_on())
         if owned:  # the engine holds its own runtime layout; free the loader's copy
             model.params = None
         self.config = dataclasses.replace(cfg, spec=spec)

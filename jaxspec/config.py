@@ -91,6 +91,18 @@ class SpecSection:
     # "default" = the one measured for this platform under configs/sps/ (none: verify every
     # draft), "flat" = verify every draft, or a JSON file.
     sps_table: str = "default"
+    # The CLI's and the API's engine (the server's policy is serve.adaptive): per batch bucket, plain
+    # decoding or this draft shape, whichever is measured to commit more tokens per second
+    # (jaxspec.engine.adaptive). "auto": on unless the shape (num_draft_tokens, num_steps, topk,
+    # tree_choices) differs from these defaults, i.e. the user fixed one; "on" / "off" force it.
+    adaptive: str = "auto"
+
+    def adaptive_on(self) -> bool:
+        if self.adaptive != "auto":
+            return self.adaptive == "on"
+        default = SpecSection()
+        shape = ("num_draft_tokens", "num_steps", "topk", "tree_choices")
+        return (all(getattr(self, f) == getattr(default, f) for f in shape) and not self.simulate_accept_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +164,7 @@ class Config:
             # The rules every front end shares (jaxspec.sampling_params), under the config's key names.
             *((BOUNDS[field].ok(getattr(s, key)), f"sampling.{key} must be {BOUNDS[field].bound}")
               for key, field in ENGINE_FIELDS.items()),
+            (self.spec.adaptive in ("auto", "on", "off"), "spec.adaptive must be auto, on or off"),
             (0 <= self.serve.port < 65536, "serve.port must be in [0, 65535]"),
             (self.serve.steps_per_call >= 1, "serve.steps_per_call must be >= 1"),
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),

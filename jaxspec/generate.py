@@ -49,6 +49,7 @@ FLAG_KEYS = {
     "tree_choices": "spec.tree_choices",
     "eagle3_layer_ids": "spec.eagle3_layer_ids",
     "sps_table": "spec.sps_table",
+    "adaptive_spec": "spec.adaptive",
 }
 
 
@@ -115,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--output", metavar="FILE.jsonl")
     add_spec_args(p)
+    p.add_argument("--adaptive-spec", choices=["auto", "on", "off"],
+                   help="per batch bucket, plain decoding or the draft shape, whichever measures faster; auto "
+                        "(default): on unless a shape flag (--num-draft-tokens, --num-steps, --topk, "
+                        "--tree-choices) changes the default shape")
     p.add_argument("--profile-phases", action="store_true",
                    help="rerun the first batch with draft/verify/other timed apart and print the split")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")
@@ -240,6 +245,8 @@ def run(args) -> int:
     if spec_on:
         label = f"spec[{cfg.spec.algorithm}]" + (" SIMULATED, output not exact" if cfg.spec.simulate_accept_length else "")
         print(llm.metrics.summary_line(label), file=sys.stderr)
+        if llm.engine.adaptive is not None:
+            print(llm.engine.adaptive.summary(), file=sys.stderr)
         if args.profile_phases:
             split = llm.profile_phases(entries, sampling)
             sec, tot = split["seconds"], split["total_s"] or float("nan")

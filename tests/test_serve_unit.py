@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxspec.serve.adaptive import AdaptiveSteps
+from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.serve.protocol import APIError, parse_completion, parse_gen_params, parse_json_body
 

@@ -39,10 +39,10 @@ from jaxspec.cache.paged import KVCache, PageAllocator, ShardedPageAllocator, ch
 from jaxspec.config import EngineSection
 from jaxspec import mesh as shd
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.llama import forward, prepare_params
+from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
 from jaxspec.engine.device_sampling import MAX_STOP_IDS, DeviceSampling
-from jaxspec.speculative.sampling import sample_token
+from jaxspec.engine.programs import make_decode_fn, make_prefill_fn, make_spec_prefill_fn
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the problem."""
@@ -80,109 +80,6 @@ class Result:
     accept_lengths: list[int] | None = None  # speculative: committed tokens per verify step
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    cache: KVCache
-    page_table: jax.Array  # [B, max_pages] int32
-    seq_lens: jax.Array  # [B] int32 tokens whose K/V is in the cache
-    last_token: jax.Array  # [B] int32 newest token, not yet in the cache
-    output: jax.Array  # [B, max_out] int32 generated tokens, -1 padded
-    num_generated: jax.Array  # [B] int32
-    done: jax.Array  # [B] bool
-    sampling: DeviceSampling
-
-
-def emit_token(state_out, num_generated, done, token, sampling):
-    """Append `token` [B] to unfinished sequences and update their done flags."""
-    live = ~done
-    b = jnp.arange(token.shape[0])
-    idx = jnp.minimum(num_generated, state_out.shape[1] - 1)
-    state_out = state_out.at[b, idx].set(jnp.where(live, token, state_out[b, idx]))
-    num_generated = num_generated + live.astype(jnp.int32)
-    hit_stop = jnp.any(token[:, None] == sampling.stop_ids, axis=-1)
-    done = done | (live & (hit_stop | (num_generated >= sampling.max_new)))
-    return state_out, num_generated, done
-
-
-def make_prefill_fn(cfg: ModelConfig):
-    def prefill_fn(params, cache, tokens, prompt_lens, page_table, sampling: DeviceSampling, max_out: int):
-        # tokens [B, L] int32 right-padded; prompt_lens [B] int32 (0 = padding row)
-        b, _ = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        last = jnp.maximum(prompt_lens - 1, 0)[:, None]
-        out = forward(
-            params, cfg, tokens, positions, cache, page_table,
-            q_start=jnp.zeros((b,), jnp.int32), kv_len=prompt_lens, logits_index=last,
-        )
-        first = sample_token(
-            out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
-            sampling.seed, prompt_lens,
-        )
-        output = jnp.full((b, max_out), -1, jnp.int32)
-        done = prompt_lens == 0
-        output, num_generated, done = emit_token(output, jnp.zeros((b,), jnp.int32), done, first, sampling)
-        return DecodeState(
-            cache=out.cache, page_table=page_table, seq_lens=prompt_lens, last_token=first,
-            output=output, num_generated=num_generated, done=done, sampling=sampling,
-        )
-
-    return prefill_fn
-
-
-def make_spec_prefill_fn(cfg: ModelConfig, drafter):
-    """The whole prompt as one chunk of the shared chunked prefill (target, then
-    the drafter's prefill on the target's features), then the loop carry."""
-    from jaxspec.engine.core import make_chunk_prefill_fn, spec_state
-
-    chunk_prefill = make_chunk_prefill_fn(cfg, drafter)
-
-    def spec_prefill_fn(params, draft_params, cache, draft_cache, corpus, tokens, prompt_lens, page_table, sampling,
-                        max_out):
-        b = tokens.shape[0]
-        cache, draft, first = chunk_prefill(params, draft_params, cache, drafter.init_state(draft_cache, b), tokens,
-                                            jnp.zeros((b,), jnp.int32), prompt_lens, page_table, sampling)
-        history = jnp.zeros((b, max_out), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
-        history = history.at[jnp.arange(b), prompt_lens].set(first, mode="drop")
-        hit_stop = jnp.any(first[:, None] == sampling.stop_ids, axis=-1)
-        done = (prompt_lens == 0) | hit_stop | (sampling.max_new <= 1)
-        return spec_state(cache=cache, draft=draft, page_table=page_table, history=history,
-                          hist_len=prompt_lens + (prompt_lens > 0).astype(jnp.int32), prompt_lens=prompt_lens,
-                          done=done, sampling=sampling, accept_width=max_out, corpus=corpus)
-
-    return spec_prefill_fn
-
-
-def make_decode_fn(cfg: ModelConfig):
-    def decode_fn(params, state: DecodeState) -> DecodeState:
-        def cond(s: DecodeState):
-            return ~jnp.all(s.done)
-
-        def body(s: DecodeState) -> DecodeState:
-            # 1. Feed each sequence's newest token at slot seq_len; done rows write
-            #    to the null page (kv_len == q_start) and their output is ignored.
-            live = ~s.done
-            kv_len = s.seq_lens + live.astype(jnp.int32)
-            out = forward(
-                params, cfg, s.last_token[:, None], s.seq_lens[:, None], s.cache, s.page_table,
-                q_start=s.seq_lens, kv_len=kv_len,
-            )
-            # 2. Sample the next token at absolute position kv_len (seeded by position).
-            token = sample_token(
-                out.logits[:, 0], s.sampling.temperature, s.sampling.top_k, s.sampling.top_p,
-                s.sampling.seed, kv_len,
-            )
-            output, num_generated, done = emit_token(s.output, s.num_generated, s.done, token, s.sampling)
-            return dataclasses.replace(
-                s, cache=out.cache, seq_lens=kv_len, last_token=jnp.where(live, token, s.last_token),
-                output=output, num_generated=num_generated, done=done,
-            )
-
-        return jax.lax.while_loop(cond, body, state)
-
-    return decode_fn
-
-
 def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
     for b in sorted(buckets):
         if n <= b:
@@ -197,6 +94,7 @@ class Engine:
         self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, progress: bool = True,
         spec=None, draft: tuple[dict, ModelConfig] | None = None, ngram_corpus=None,
         mesh: jax.sharding.Mesh | None = None, benchmark: bool = False, split_pages: bool = True,
+        adaptive: bool = False,
     ):
         """`params`/`draft` params as loaded (Hugging Face layout); the engine keeps
         the runtime layout (`prepare_params`). `spec`: a SpecSection (algorithm !=
@@ -207,7 +105,9 @@ class Engine:
         and MLP columns its TP size does not divide are zero-padded (exact), so
         `self.cfg` may have more heads than `self.model_cfg`. `split_pages`: with a
         "data" axis > 1, give each data shard its own slice of the cache's pages and
-        run prefill / decode per data shard (`sharding.per_data_shard`)."""
+        run prefill / decode per data shard (`sharding.per_data_shard`). `adaptive` (with speculation):
+        each batch bucket runs plain decoding or the configured draft shape, whichever the policy
+        (`engine.adaptive.EngineAdaptive`) expects to commit more tokens per second."""
         self.mesh = mesh
         self.split_pages = bool(split_pages and mesh is not None and mesh.shape["data"] > 1)
         self.num_shards = mesh.shape["data"] if self.split_pages else 1
@@ -243,12 +143,21 @@ class Engine:
         self.draft_cfg = None  # the draft model's config, for drafters that have one
         self.draft_cache = None
         self.corpus = None
-        if spec is not None and spec.algorithm.lower() != "none":
+        self.adaptive = None
+        spec_on = spec is not None and spec.algorithm.lower() != "none"
+        if spec_on:
             self._init_spec(spec, draft, num_pages, ngram_corpus, benchmark)
-        else:
-            self._prefill = jax.jit(self.pinned(make_prefill_fn(cfg), replicated=(0,), static=(6,)),
-                                    donate_argnums=(1,), static_argnums=(6,))
-            self._decode = jax.jit(self.pinned(make_decode_fn(cfg), replicated=(0,)), donate_argnums=(1,))
+        if not spec_on or adaptive:  # plain decoding: the engine's program, or the policy's k = 0
+            plain = (jax.jit(self.pinned(make_prefill_fn(cfg), replicated=(0,), static=(6,)),
+                             donate_argnums=(1,), static_argnums=(6,)),
+                     jax.jit(self.pinned(make_decode_fn(cfg), replicated=(0,)), donate_argnums=(1,)))
+            if spec_on:
+                from jaxspec.engine.adaptive import EngineAdaptive
+
+                self._plain = plain
+                self.adaptive = EngineAdaptive(self.spec_plan.max_depth)
+            else:
+                self._prefill, self._decode = plain
         self._compiled: dict[tuple, object] = {}
         self.last_timing: dict[str, float] = {}
 
@@ -378,19 +287,23 @@ class Engine:
         """AOT-compile prefill and decode for each (batch, prompt_len, context) bucket."""
         from tqdm.auto import tqdm
 
+        kinds = (("prefill", "decode"), ("plain_prefill", "plain_decode")) if self.adaptive else (("prefill", "decode"),)
         todo = []
         for b, lb, ctx in buckets:
-            if ("prefill", b, lb, ctx) not in self._compiled:
-                todo.append(("prefill", b, lb, ctx))
-            if ("decode", b, ctx) not in self._compiled:
-                todo.append(("decode", b, ctx))
+            for pre, dec in kinds:
+                todo += [k for k in ((pre, b, lb, ctx), (dec, b, ctx)) if k not in self._compiled]
         todo = list(dict.fromkeys(todo))
         for key in tqdm(todo, desc="compiling buckets", disable=not self.progress or not todo):
             b, ctx = key[1], key[-1]
             # Decode's inputs are prefill's outputs: prefill's input signature keys both.
-            args = self._prefill_args(*self._abstract_inputs(b, key[2] if key[0] == "prefill" else 1, ctx))
+            plain = key[0].startswith("plain_")
+            args = self._prefill_args(*self._abstract_inputs(b, key[2] if key[0].endswith("prefill") else 1, ctx),
+                                      plain=plain)
             self._compiled[key] = aot.compile_cached((key, self.aot_parts(), aot.abstract_signature(args)),
                                                      lambda key=key: self.lowered(key), self.before_load)
+        for b, lb, ctx in buckets if self.adaptive is not None else ():  # the policy's costs, before generating
+            if not self.adaptive.calibrated((b, ctx)):
+                self.adaptive.calibrate((b, ctx), self._calibrate((b, lb, ctx)))
 
     def aot_parts(self) -> tuple:
         """What shapes this engine's programs besides the source and the inputs (`aot` keys)."""
@@ -412,25 +325,32 @@ class Engine:
         """The traced executable of a bucket key: ("prefill", batch, prompt_len, context) or
         ("decode", batch, context). `.lower(lowering_platforms=...)` lowers it for another
         platform (`jaxspec.bench.lower`)."""
+        plain = key[0].startswith("plain_")
+        prefill, decode = self._jits(plain)
         with self.mesh_context():
-            if key[0] == "prefill":
+            if key[0].endswith("prefill"):
                 _, b, lb, ctx = key
-                return self._prefill.trace(*self._prefill_args(*self._abstract_inputs(b, lb, ctx)), ctx)
+                return prefill.trace(*self._prefill_args(*self._abstract_inputs(b, lb, ctx), plain=plain), ctx)
             _, b, ctx = key
             state = jax.eval_shape(
-                lambda *a: self._prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx))
+                lambda *a: prefill(*a, ctx), *self._prefill_args(*self._abstract_inputs(b, 1, ctx), plain=plain)
             )
             # Decode's inputs are exactly prefill's (pinned) outputs.
-            return self._decode.trace(*self._decode_args(shd.abstract_state(state, self.mesh, self.split_pages)))
+            return decode.trace(*self._decode_args(shd.abstract_state(state, self.mesh, self.split_pages),
+                                                   plain=plain))
 
-    def _prefill_args(self, tokens, lens, page_table, sampling) -> tuple:
-        if self.spec_plan is None:
+    def _jits(self, plain: bool) -> tuple:
+        """(prefill, decode) jitted: the engine's own, or plain decoding beside speculation (adaptive)."""
+        return self._plain if plain and self.spec_plan is not None else (self._prefill, self._decode)
+
+    def _prefill_args(self, tokens, lens, page_table, sampling, plain: bool = False) -> tuple:
+        if self.spec_plan is None or plain:
             return (self.params, self.cache, tokens, lens, page_table, sampling)
         return (self.params, self.draft_params, self.cache, self.draft_cache, self.corpus, tokens, lens, page_table,
                 sampling)
 
-    def _decode_args(self, state) -> tuple:
-        if self.spec_plan is None:
+    def _decode_args(self, state, plain: bool = False) -> tuple:
+        if self.spec_plan is None or plain:
             return (self.params, state)
         return (self.params, self.draft_params, state)
 
@@ -478,10 +398,34 @@ class Engine:
         results: list[Result | None] = [None] * len(requests)
         timing = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}
         for idx, bucket in plans:
-            for i, res in zip(idx, self._run_batch([requests[i] for i in idx], bucket, timing)):
+            batch = [requests[i] for i in idx]
+            plain = False
+            if self.adaptive is not None:  # 1. the policy picks the program for this bucket (calibrated by compile)
+                key = (bucket[0], bucket[2])
+                plain = self.adaptive.choose(key) == 0
+            for i, res in zip(idx, self._run_batch(batch, bucket, timing, plain=plain)):
                 results[i] = res
+            if self.adaptive is not None:  # 2. what it cost and what was accepted
+                seconds, iters = self._last_call
+                accept = [n for i in idx for n in (results[i].accept_lengths or [])]
+                self.adaptive.observe(0 if plain else self.adaptive.depth, key, accept,
+                                      seconds / iters if iters else None)
         self.last_timing = timing
         return results  # type: ignore[return-value]
+
+    def _calibrate(self, bucket) -> dict[int, float]:
+        """Seconds per loop iteration of plain decoding and of speculation in `bucket`: a dummy batch
+        of 16 new tokens per row through each compiled program, twice, the second run kept."""
+        b, lb, ctx = bucket
+        new = max(2, min(16, ctx - 8 - self.reserve_tokens))
+        dummy = [Request([1] * 8, max_new_tokens=new)] * b
+        out = {}
+        for _ in range(2):  # the first call of a fresh executable pays set-up costs
+            for plain in (True, False):
+                self._run_batch(dummy, bucket, {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}, plain=plain)
+                seconds, iters = self._last_call
+                out[0 if plain else self.adaptive.depth] = seconds / max(iters, 1)
+        return out
 
     def profile_phases(self, requests: Sequence[Request]) -> dict:
         """Speculative only: rerun the first batch with draft / verify / commit
@@ -520,7 +464,7 @@ class Engine:
                             decode=decode)
         return timer.to_dict()
 
-    def _run_batch(self, reqs: list[Request], bucket, timing, decode=None) -> list[Result]:
+    def _run_batch(self, reqs: list[Request], bucket, timing, decode=None, plain: bool = False) -> list[Result]:
         b, lb, ctx = bucket
         maxp = -(-ctx // self.page_size)
         tokens = np.zeros((b, lb), np.int32)
@@ -542,16 +486,21 @@ class Engine:
             sampling = DeviceSampling.pack([r.row() for r in reqs], b)
             # 2. Prefill, then the on-device decode loop.
             t0 = time.perf_counter()
-            state = self._compiled[("prefill", b, lb, ctx)](
-                *self._prefill_args(*shd.shard_batch((tokens, lens, page_table, sampling), self.mesh))
+            pre = "plain_" if plain else ""
+            state = self._compiled[(pre + "prefill", b, lb, ctx)](
+                *self._prefill_args(*shd.shard_batch((tokens, lens, page_table, sampling), self.mesh), plain=plain)
             )
             jax.block_until_ready(state.done)
             t1 = time.perf_counter()
-            state = (decode or self._compiled[("decode", b, ctx)])(*self._decode_args(state))
-            outputs, accept_lens = self._outputs(state, lens)
+            state = (decode or self._compiled[(pre + "decode", b, ctx)])(*self._decode_args(state, plain=plain))
+            outputs, accept_lens = self._outputs(state, lens, plain)
             t2 = time.perf_counter()
+            # Loop iterations run: verify steps, or plain steps after prefill's first token.
+            iters = (max(map(len, accept_lens), default=0) if accept_lens is not None
+                     else max(map(len, outputs), default=1) - 1)
+            self._last_call = (t2 - t1, iters)
             self.cache = state.cache
-            if self.draft_cache is not None:
+            if self.draft_cache is not None and not plain:
                 from jaxspec.engine.core import draft_cache_of
 
                 self.draft_cache = draft_cache_of(state.draft)
@@ -578,9 +527,9 @@ class Engine:
             if c is not None and c.k.is_deleted():
                 setattr(self, name, shd.zeros_cache(c.k.shape, c.k.dtype, self.mesh, self.split_pages))
 
-    def _outputs(self, state, prompt_lens) -> tuple[list[list[int]], list[list[int]] | None]:
+    def _outputs(self, state, prompt_lens, plain: bool = False) -> tuple[list[list[int]], list[list[int]] | None]:
         """Generated tokens per row, and (speculative) committed tokens per verify step."""
-        if self.spec_plan is None:
+        if self.spec_plan is None or plain:
             output, num_gen = shd.to_host((state.output, state.num_generated))
             return [output[i, : num_gen[i]].tolist() for i in range(len(num_gen))], None
         history, hist_len, acc, nv = shd.to_host((state.history, state.hist_len, state.accept_lens, state.num_verify))

@@ -38,7 +38,7 @@ import time
 from typing import Callable
 
 from jaxspec.cache.paged import OutOfPagesError
-from jaxspec.serve.adaptive import AdaptiveSteps
+from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.serve.runner import ModelRunner, RowInput
 

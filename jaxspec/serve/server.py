@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxspec.config import Config
-from jaxspec.serve.adaptive import AdaptiveSteps
+from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import APIError, GenParams
 from jaxspec.serve.runner import ModelRunner

@@ -105,3 +105,49 @@ class AdaptiveSteps:
             w = min(1.0, self.ema * reached)
             self.rates[i] = rate if not self.observed[i] else (1 - w) * self.rates[i] + w * rate
             self.observed[i] = True
+
+
+class EngineAdaptive:
+    """The offline engine's policy (`Engine(adaptive=True)`): per batch bucket, plain decoding
+    (k = 0) or the configured draft shape (k = its depth), whichever `AdaptiveSteps` scores higher.
+
+    The engine runs a whole batch in one on-device loop, so the choice is made per batch, before
+    it starts. Costs are seconds per loop iteration of each program in the bucket: calibrated the
+    first time a bucket is used (a short dummy batch through both compiled programs), then an EMA
+    of the real batches. Acceptance rates are shared across buckets (a batch-1 run informs the
+    batch-8 choice) and start at `prior_rate`. There is no probing: a whole batch spent on the
+    losing program costs more offline than a server's single probe call, so a bucket the
+    calibration sent to plain decoding stays there unless the rates, learnt in other buckets,
+    change the score.
+    """
+
+    def __init__(self, depth: int, *, hysteresis: float = 0.1, prior_rate: float = 0.5):
+        self.depth = depth
+        self.steps = AdaptiveSteps((0, depth), {}, hysteresis=hysteresis, probe_every=2**31, prior_rate=prior_rate)
+        self.choices: dict[Hashable, list[int]] = {}  # bucket -> k of each batch run there
+
+    def calibrated(self, bucket: Hashable) -> bool:
+        return all((k, bucket) in self.steps.cost for k in self.steps.candidates)
+
+    def calibrate(self, bucket: Hashable, seconds_per_iteration: Mapping[int, float]) -> None:
+        for k, sec in seconds_per_iteration.items():
+            self.steps.cost[(k, bucket)] = max(sec, 1e-9)
+
+    def choose(self, bucket: Hashable) -> int:
+        k = self.steps.choose(bucket)
+        self.choices.setdefault(bucket, []).append(k)
+        return k
+
+    def observe(self, k: int, bucket: Hashable, accept_lens: Sequence[int], seconds_per_iteration: float | None):
+        self.steps.observe(k, bucket, accept_lens, seconds_per_iteration)
+
+    def summary(self) -> str:
+        """One line: each bucket's batches by draft length, and the expected tokens per step."""
+        if not self.choices:
+            return "adaptive: no batches"
+        parts = []
+        for (b, ctx), ks in sorted(self.choices.items()):
+            runs = ", ".join(f"{'plain' if k == 0 else f'k={k}'} x{ks.count(k)}" for k in sorted(set(ks)))
+            parts.append(f"batch {b} ctx {ctx}: {runs}")
+        return (f"adaptive: {'; '.join(parts)} (E[tokens/step] at k={self.depth}: "
+                f"{self.steps.expected_tokens(self.depth):.2f})")
