@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,7 +13,8 @@ from tests.heads_fixtures import (
 )
 from tests.reference import hf_greedy
 
-ENGINE = ["--set", "engine.length_buckets=16,32,64,128", "--max-context", "128", "--quiet"]
+# Fixed draft shapes: these tests check speculation itself, not the adaptive policy's choice.
+ENGINE = ["--set", "engine.length_buckets=16,32,64,128", "--max-context", "128", "--quiet", "--adaptive-spec", "off"]
 
 
 def run(capsys, *argv):
@@ -186,3 +188,19 @@ def test_wrong_or_missing_head_is_one_line_error(tiny_dirs, head_dirs, tmp_path,
     if case == "eagle_head":
         assert run(capsys, "--model", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--spec", "eagle",
                    *draft, "--max-new-tokens", "4", *ENGINE)[0] == 0
+
+
+def test_adaptive_policy_runs_and_says_what_each_bucket_ran(tiny_dirs, tmp_path, capsys):
+    """--adaptive-spec on: whichever program each batch bucket runs, the tokens are plain greedy's,
+    and the summary names the choice."""
+    path, hf = tiny_dirs["llama"]
+    prompts = [[5, 17, 33, 9, 120] * 3, [7, 8, 9]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "o.jsonl"
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out),
+                       "--max-new-tokens", "10", "--ignore-eos", "--spec", "ngram", "--batch-size", "1",
+                       *ENGINE[:-1], "on")
+    assert code == 0, err
+    for p, line in zip(prompts, map(json.loads, out.read_text().splitlines())):
+        assert line["output_ids"] == hf_greedy(hf, p, 10)
+    assert re.search(r"adaptive: batch 1 ctx \d+: (plain|k=3) x\d", err), err

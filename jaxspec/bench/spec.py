@@ -33,7 +33,9 @@ def engine_for(model, spec_kw: dict | None, draft=None, batch: int = 1):
     ecfg = EngineSection(max_batch_size=batch, max_context=1024, length_buckets=(128, 256, 512, 1024),
                          batch_buckets=(batch,))
     spec = SpecSection(**spec_kw) if spec_kw else None
-    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft, benchmark=True)
+    # Fixed shapes unless a row asks for the policy ("adaptive": "on").
+    policy = {"adaptive": True} if getattr(spec, "adaptive", "off") == "on" else {}
+    return Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft, benchmark=True, **policy)
 
 
 def run_engine(engine, prompts, max_new: int, warm: bool = True) -> tuple[list[float], list[int]]:
@@ -147,6 +149,8 @@ def shipped_head_methods(model) -> dict:
 
     shapes = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),
                          ("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
+                         # The engine's policy: plain decoding or the chain of 3, per batch bucket.
+                         ("chain k=3, adaptive", dict(topk=1, num_steps=3, num_draft_tokens=4, adaptive="on")),
                          ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8)),
                          ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
               "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5)),
