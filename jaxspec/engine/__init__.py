@@ -278,7 +278,6 @@ class Engine:
     def _abstract_inputs(self, b: int, lb: int, ctx: int):
         maxp = -(-ctx // self.page_size)
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
         sampling = DeviceSampling.abstract(b)
         # The shardings `shard_batch` gives the real inputs in `_run_batch`.
         return shd.abstract_state((i32(b, lb), i32(b), i32(b, maxp), sampling), self.mesh, self.split_pages)
