@@ -313,6 +313,18 @@ def top_k_top_p_mask_ref(
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
+def filtered_logits(
+    scaled: Float[Array, "B N V"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+) -> Float[Array, "B N V"]:
+    """`top_k_top_p_mask`, skipped for batches where no request filters (the common
+    temperature-only case)."""
+    vocab = scaled.shape[-1]
+    needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    return jax.lax.cond(needs_filter, lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
+
+
 @jax.jit
 def target_probs_from_logits(
     logits: Float[Array, "B N V"],
@@ -336,15 +348,7 @@ def target_probs_from_logits(
     greedy = temperature <= 0.0
     safe_t = jnp.where(greedy, 1.0, temperature)
     scaled = logits / safe_t[:, None, None]
-    # Skip the filter for batches where no request filters (the common temperature-only case).
-    needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    scaled = jax.lax.cond(
-        needs_filter,
-        lambda s: top_k_top_p_mask(s, top_k, top_p),
-        lambda s: s,
-        scaled,
-    )
-    probs = jax.nn.softmax(scaled, axis=-1)
+    probs = jax.nn.softmax(filtered_logits(scaled, top_k, top_p), axis=-1)
     one_hot = jax.nn.one_hot(argmax_last(logits), vocab, dtype=jnp.float32)
     return jnp.where(greedy[:, None, None], one_hot, probs)
 
@@ -387,8 +391,7 @@ def race_filtered(
 
     def dense(masked=None):
         if masked is None:  # the filter decides its own tiers, then the sort
-            needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-            masked = jax.lax.cond(needs_filter, lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
+            masked = filtered_logits(scaled, top_k, top_p)
         noise = _dense_noise(keys, vocab, token_ids, noise_size)
         return argmax_last(jnp.where(masked > -jnp.inf, masked - jnp.log(noise), -jnp.inf)).astype(jnp.int32)
 
