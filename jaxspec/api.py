@@ -93,32 +93,6 @@ class RequestOutput:
 # ---- assembling the engine (shared with the CLI and the server) ------------------------------------
 
 
-def stop_token_ids(model) -> tuple[int, ...]:
-    """The ids generation stops at: the config's EOS ids and the tokenizer's."""
-    ids = set(model.config.eos_token_ids)
-    tok = model.tokenizer
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return tuple(sorted(ids))
-
-
-def build_draft(cfg: Config, model, dtype, progress: bool):
-    """(params, config) of the draft model or head the spec needs, or None (`drafters.load`)."""
-    from jaxspec.speculative.drafters.load import load_draft
-
-    return load_draft(cfg.spec, model, dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
-
-
-def load_corpus(path: str, model, label: str = "ngram_corpus"):
-    """The n-gram corpus file as device-ready token ids [K]; PromptError naming `label` and the line."""
-    from jaxspec.speculative.drafters.ngram import corpus_token_array
-
-    try:
-        return corpus_token_array(path, model.tokenizer, vocab_size=model.config.vocab_size)
-    except (ValueError, KeyError) as e:  # json errors are ValueErrors
-        raise PromptError(f"{label} {path}: {e}") from None
-
-
 def resolve_mesh(mesh):
     """None, a jax Mesh, a MeshShape or "DPxTP" -> a ("data", "model") Mesh or None."""
     if mesh is None:
@@ -283,30 +257,27 @@ class LLM:
         import jax.numpy as jnp
 
         from jaxspec.engine import Engine
+        from jaxspec.engine.assemble import assemble, stop_token_ids
         from jaxspec.models.loading import load_model
-        from jaxspec.speculative.algorithm import validate_spec_config
-
         from jaxspec.paths import enable_compilation_cache
+        from jaxspec.speculative.algorithm import validate_spec_config
 
         # One engine, donated caches: calls from several threads run one at a time (docs/api.md).
         self._lock = threading.Lock()
         enable_compilation_cache(cfg.serve.compilation_cache, cfg.model.cache_dir or None)
 
         spec = validate_spec_config(cfg.spec, benchmark=benchmark)  # before minutes of loading
+        cfg = dataclasses.replace(cfg, spec=spec)
         mesh = resolve_mesh(mesh)
         dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
         owned = model is None
         if owned:
             model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
-        spec_on = spec.algorithm != "none"
-        draft = build_draft(cfg, model, dtype, progress) if spec_on else None
-        corpus = load_corpus(spec.ngram_corpus, model, corpus_label) if spec_on and spec.ngram_corpus else None
-        self.engine = Engine(model.params, model.config, cfg.engine, progress=progress,
-                             spec=spec if spec_on else None, draft=draft, ngram_corpus=corpus, mesh=mesh,
-                             benchmark=benchmark, adaptive=spec_on and spec.adaptive_on())
+        self.engine = Engine.over(assemble(cfg, model, mesh=mesh, progress=progress, benchmark=benchmark,
+                                           corpus_label=corpus_label))
         if owned:  # the engine holds its own runtime layout; free the loader's copy
             model.params = None
-        self.config = dataclasses.replace(cfg, spec=spec)
+        self.config = cfg
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         self.eos_token_ids = stop_token_ids(model)
@@ -319,7 +290,7 @@ class LLM:
     def __repr__(self) -> str:
         return (f"LLM(model={self.config.model.path!r}, spec={self.config.spec.algorithm!r}, "
                 f"dtype={self.config.model.dtype!r}, mesh={self.engine.mesh is not None}, "
-                f"compiled={len(self.engine._compiled)} executables)")
+                f"compiled={len(self.engine.runner._compiled)} executables)")
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer (None for a checkpoint without one), as vLLM's LLM.get_tokenizer."""

@@ -15,7 +15,7 @@ each data shard owns a slice of the page axis and its own page pool
 runs per data shard (`per_data_shard`), so attention and cache writes gather
 and scatter locally. The server does the same: its scheduler pins each
 sequence to one data shard, whose slice of every batch bucket holds its row
-(`serve.runner.ModelRunner.place`).
+(`engine.runner.ModelRunner.place`).
 
 Every helper is the identity when `mesh` is None, so single-device code paths
 call them unconditionally.

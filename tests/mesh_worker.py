@@ -98,23 +98,23 @@ def engines_report(model) -> dict:
             box = {}
             rows[f"{shape}_compiles_again"] = count_compiles(lambda: box.update(out=engine.generate(again)))
             rows[f"{shape}_again"] = [r.output_ids for r in box["out"]]
-            layers = engine.params["layers"]
+            layers = engine.runner.params["layers"]
             layer0 = layers[0] if isinstance(layers, list) else layers  # unstacked on CPU
             rows[f"{shape}_specs"] = {
-                "cache": str(engine.cache.k.sharding.spec), "wq": str(layer0["wq"].sharding.spec),
+                "cache": str(engine.runner.cache.k.sharding.spec), "wq": str(layer0["wq"].sharding.spec),
                 "wo": str(layer0["wo"].sharding.spec), "bk": str(layer0["bk"].sharding.spec),
-                "head": str(engine.params["head"].sharding.spec), "embed": str(engine.params["embed"].sharding.spec),
+                "head": str(engine.runner.params["head"].sharding.spec), "embed": str(engine.runner.params["embed"].sharding.spec),
             }
-            rows[f"{shape}_pages_used"] = engine.allocator.num_used
+            rows[f"{shape}_pages_used"] = engine.runner.allocator.num_used
             # Pages split over "data": each device holds 1/data of the page axis.
-            rows[f"{shape}_cache_pages"] = [engine.cache.k.shape[1], engine.cache.k.addressable_shards[0].data.shape[1]]
+            rows[f"{shape}_cache_pages"] = [engine.runner.cache.k.shape[1], engine.runner.cache.k.addressable_shards[0].data.shape[1]]
             if shape == "2x4" and mode == "plain":
                 # Stacked [L, ...] layers under lax.scan: the GPU/TPU layout.
                 scan = make_engine(model, make_mesh(shape), spec, layer_loop="scan")
                 rows["2x4_scan"] = [r.output_ids for r in scan.generate(reqs)]
                 rows["2x4_scan_wq"] = str(scan.params["layers"]["wq"].sharding.spec)
             if shape == "4x2" and mode == "plain":
-                hlo = engine._compiled[next(k for k in engine._compiled if k[0] == "decode")].as_text()
+                hlo = engine.runner._compiled[next(k for k in engine.runner._compiled if k[0] == "decode")].as_text()
                 rows["4x2_decode_all_reduce"] = "all-reduce" in hlo
                 # The listener does see compiles when a new bucket is needed (not vacuous).
                 rows["4x2_compiles_new_bucket"] = count_compiles(
@@ -138,7 +138,7 @@ def standalone_report(model) -> dict:
         engine = Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft,
                         mesh=None if shape == "single" else make_mesh(shape))
         out[shape] = [r.output_ids for r in engine.generate([Request(p, max_new_tokens=6) for p in PROMPTS])]
-        out[f"{shape}_draft_cache"] = str(getattr(engine.draft_cache.k.sharding, "spec", None))
+        out[f"{shape}_draft_cache"] = str(getattr(engine.runner.draft_cache.k.sharding, "spec", None))
     return out
 
 
@@ -263,7 +263,7 @@ def serve_report(model_dir: Path) -> dict:
         while any(s.finish_reason is None for s in seqs):
             sched.step()
         out[shape] = [got[i] for i in range(len(seqs))]
-        out[f"{shape}_pages_used"] = server.runner.engine.allocator.num_used
+        out[f"{shape}_pages_used"] = server.runner.allocator.num_used
     return out
 
 
@@ -293,9 +293,8 @@ def embedded_serve_report() -> dict:
             server.scheduler.submit(seqs[-1])
         while any(s.finish_reason is None for s in seqs):
             server.scheduler.step()
-        engine = server.runner.engine
         out[shape] = [got[i] for i in range(len(seqs))]
-        out[f"{shape}_heads"] = [engine.cfg.num_heads, engine.cfg.num_kv_heads]
+        out[f"{shape}_heads"] = [server.runner.cfg.num_heads, server.runner.cfg.num_kv_heads]
     return out
 
 

@@ -64,14 +64,14 @@ def run_case(server, new) -> dict:
         sched.step()
         for s in sched.prefilling + sched.running:  # pinned: one shard for the whole stay
             assert shards.setdefault((s.seq_id, s.num_preemptions), s.shard) == s.shard
-    engine = server.runner.engine
-    k = engine.cache.k
+
+    k = server.runner.cache.k
     return {
         "tokens": [got.get(i, []) for i in range(len(PROMPTS))],
         "finish": [s.finish_reason for s in seqs],
-        "pages_used": engine.allocator.num_used,
+        "pages_used": server.runner.allocator.num_used,
         "preemptions": sum(s.num_preemptions for s in seqs),
-        "split": engine.split_pages,
+        "split": server.runner.split_pages,
         "shards_used": len({d for d in shards.values()}),
         "cache_spec": str(getattr(k.sharding, "spec", None)),
         "cache_pages": [k.shape[1], k.addressable_shards[0].data.shape[1]],

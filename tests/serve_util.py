@@ -35,7 +35,7 @@ def client(url, **kw):
 def wait_for_idle(server, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.scheduler.num_active == 0 and not server.scheduler.waiting and server.runner.engine.allocator.num_used == 0:
+        if server.scheduler.num_active == 0 and not server.scheduler.waiting and server.runner.allocator.num_used == 0:
             return True
         time.sleep(0.05)
     return False

@@ -35,7 +35,7 @@ def test_greedy_matches_hf_batched_ragged(tiny_dirs, kind, page_size):
     for prompt, res in zip(PROMPTS, results):
         assert_greedy_equal(hf, prompt, res.output_ids, hf_greedy(hf, prompt, n))
         assert res.finish_reason == "length"
-    assert engine.allocator.num_used == 0
+    assert engine.runner.allocator.num_used == 0
 
 
 def test_batched_equals_batch_one(tiny_dirs):
@@ -120,7 +120,7 @@ def test_bad_requests_raise_clear_errors_and_leak_nothing(tiny_dirs):
         engine.generate([Request([1, 300], max_new_tokens=4)])
     with pytest.raises(RequestError, match="empty prompt"):
         engine.generate([Request([], max_new_tokens=4)])
-    assert engine.allocator.num_used == 0
+    assert engine.runner.allocator.num_used == 0
     # The engine still serves after the errors.
     assert len(engine.generate([Request(PROMPTS[1], max_new_tokens=3)])[0].output_ids) == 3
 
@@ -132,7 +132,7 @@ def test_out_of_pages_is_a_clear_error_and_frees_partial_allocations(tiny_dirs):
     engine = make_engine(path, page_size=4, num_pages=9)  # 8 usable pages = 32 slots
     with pytest.raises(OutOfPagesError, match="out of pages"):
         engine.generate([Request(PROMPTS[0], max_new_tokens=20), Request(PROMPTS[2], max_new_tokens=20)])
-    assert engine.allocator.num_used == 0
+    assert engine.runner.allocator.num_used == 0
     np.testing.assert_equal(len(engine.generate([Request(PROMPTS[1], max_new_tokens=8)])[0].output_ids), 8)
 
 
@@ -141,17 +141,17 @@ def test_failed_device_call_frees_pages_and_engine_recovers(tiny_dirs):
     engine = make_engine(path)
     req = Request(PROMPTS[0], max_new_tokens=6)
     first = engine.generate([req])[0].output_ids
-    key = next(k for k in engine._compiled if k[0] == "decode")
-    real = engine._compiled[key]
+    key = next(k for k in engine.runner._compiled if k[0] == "decode")
+    real = engine.runner._compiled[key]
 
     def failing_decode(*args):
         raise RuntimeError("simulated device failure")
 
-    engine._compiled[key] = failing_decode
+    engine.runner._compiled[key] = failing_decode
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate([req])  # the prefill already donated the cache
-    assert engine.allocator.num_used == 0
-    engine._compiled[key] = real
+    assert engine.runner.allocator.num_used == 0
+    engine.runner._compiled[key] = real
     assert engine.generate([req])[0].output_ids == first
 
 
@@ -182,5 +182,5 @@ def test_bfloat16_weights_and_cache_track_float32(tiny_dirs):
     bf = load_model(str(path), dtype=jnp.bfloat16, progress=False)
     engine = Engine(bf.params, bf.config, EngineSection(max_batch_size=1, max_context=64, length_buckets=(16, 64)),
                     progress=False)
-    assert engine.cache.k.dtype == jnp.bfloat16
+    assert engine.runner.cache.k.dtype == jnp.bfloat16
     assert len(engine.generate([Request(PROMPTS[0], max_new_tokens=8)])[0].output_ids) == 8

@@ -80,7 +80,7 @@ def test_every_bucket_emits_plain_decodings_tokens(tiny, monkeypatch, sampled):
     assert [k for (b, _), ks in choices.items() if b == 4 for k in ks] == [0]
     assert [k for (b, _), ks in choices.items() if b == 1 for k in ks] == [adaptive.adaptive.depth] * 4
     assert "plain x1" in adaptive.adaptive.summary()
-    assert adaptive.allocator.num_used == 0
+    assert adaptive.runner.allocator.num_used == 0
 
 
 def test_calibration_times_both_programs_in_the_bucket(tiny):
@@ -89,4 +89,4 @@ def test_calibration_times_both_programs_in_the_bucket(tiny):
     adaptive.compile([(2, 16, 64)])
     assert adaptive.adaptive.calibrated((2, 64))
     assert {k for k, bucket in adaptive.adaptive.steps.cost if bucket == (2, 64)} == {0, adaptive.adaptive.depth}
-    assert adaptive.allocator.num_used == 0
+    assert adaptive.runner.allocator.num_used == 0

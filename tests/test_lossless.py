@@ -51,23 +51,34 @@ def sampled_requests(n: int, **kw) -> list[Request]:
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)],
                          ids=["T1", "T0.8-topk-topp"])
 def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
-    """The server's `--spec none` (and adaptive k = 0) is the speculative loop
-    drafting nothing; at T > 0 it must emit plain decoding's tokens exactly."""
-    from jaxspec.serve.runner import plan_for_steps
-    from jaxspec.speculative.drafters import build_drafter
-    from jaxspec.speculative.loop import make_spec_decode_fn
+    """The server's adaptive k = 0 is the speculative loop with a real drafter drafting nothing,
+    in bounded calls; at T > 0 it must emit plain decoding's tokens (`PlainDrafter`, one call to
+    the end) exactly."""
+    from jaxspec.engine.runner import ModelRunner, RowInput
 
     model, _ = llama
     reqs = sampled_requests(8, **sampling)
     plain = [r.output_ids for r in Engine(model.params, model.config, ECFG, progress=False).generate(reqs)]
 
-    spec = Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm="ngram"))
-    k0 = plan_for_steps(spec.spec_plan, 0)  # exactly the server's k = 0 plan
-    decode = jax.jit(make_spec_decode_fn(k0, spec.cfg, build_drafter(k0)))
-    (idx, bucket), = spec.plan(reqs)
-    spec.compile([bucket])
-    timing = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}
-    got = [r.output_ids for r in spec._run_batch(reqs, bucket, timing, decode=decode)]
+    runner = ModelRunner(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm="ngram"),
+                         steps_candidates=(0, 3), steps_per_call=3)
+    assert type(runner.drafters[0]).__name__ == "NgramDrafter"
+    rows = []
+    for i, r in enumerate(reqs):
+        runner.allocator.allocate(i, len(r.prompt_ids) + r.max_new_tokens + runner.reserve)
+        rows.append(RowInput(list(r.prompt_ids), len(r.prompt_ids), r.max_new_tokens,
+                             np.asarray(runner.allocator.page_table_row(i, runner.max_pages)), i, r.temperature,
+                             r.top_k, r.top_p, r.seed, ()))
+    for row, first in zip(rows, runner.prefill([(row, 0, row.prompt_len) for row in rows])):
+        row.tokens.append(first)
+    live = list(rows)
+    while any(live):
+        outs, _ = runner.decode(0, live, 64)
+        for i, out in enumerate(outs):
+            if out is not None:
+                live[i].tokens += out.tokens
+                live[i] = None if out.done else live[i]
+    got = [row.tokens[row.prompt_len:] for row in rows]
     assert got == plain
     greedy = [r.output_ids for r in Engine(model.params, model.config, ECFG, progress=False).generate(
         [dataclasses.replace(r, temperature=0.0) for r in reqs])]
@@ -259,14 +270,14 @@ def scratch_writes_past(model, declared: int) -> int:
     trap0, maxp = 1 + budget_pages, 16
     table = jnp.asarray([list(range(1, 1 + budget_pages)) + list(range(trap0, trap0 + maxp - budget_pages))],
                         jnp.int32)
-    c = engine.draft_cache
+    c = engine.runner.draft_cache
     layers, _, _, kvh, hd = c.k.shape
     shape = (layers, trap0 + maxp, ps, kvh, hd)
     cache = type(c)(k=jnp.zeros(shape, c.k.dtype), v=jnp.zeros(shape, c.k.dtype))
     history = jnp.zeros((1, 64), jnp.int32).at[0, :hist].set(jnp.arange(5, 5 + hist))
     s = SimpleNamespace(history=history, hist_len=jnp.array([hist]), page_table=table, done=jnp.array([False]),
                         sampling=None)
-    out = engine.drafter.propose(engine.draft_params, DraftState(cache=cache, draft_len=jnp.array([hist - 1])), s)
+    out = engine.drafter.propose(engine.runner.draft_params, DraftState(cache=cache, draft_len=jnp.array([hist - 1])), s)
     written = np.abs(np.asarray(out.state.cache.k[:, trap0:])).sum(axis=(0, 3, 4)) > 0  # [trap pages, ps]
     slots = np.nonzero(written.reshape(-1))[0]
     first_trap_slot = budget_pages * ps
@@ -300,30 +311,88 @@ class RepeatDrafter(DrafterBase):
         return Proposal(jnp.repeat(root, self.plan.num_draft_tokens, axis=1), None, None, None)
 
 
+PLUGIN_SRC = """
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxspec.speculative.algorithm import AlgorithmInfo, register
+from jaxspec.speculative.protocol import DrafterBase
+from jaxspec.speculative.types import Proposal
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoDrafter(DrafterBase):
+    plan: object
+
+    def propose(self, params, state, s):
+        root = jnp.take_along_axis(s.history, (s.hist_len - 1)[:, None], axis=1)
+        return Proposal(jnp.repeat(root, self.plan.num_draft_tokens, axis=1), None, None, None)
+
+
+register("echo", AlgorithmInfo(drafts_in_steps=False), lambda plan, **_: EchoDrafter(plan))
+"""
+
+
 @pytest.fixture
-def repeat_plugin():
-    name = A.register("repeat", A.AlgorithmInfo(drafts_in_steps=False), lambda plan, **_: RepeatDrafter(plan))
-    yield name
-    A.unregister(name)
+def installed_plugin(tmp_path, monkeypatch):
+    """A drafter plugin as a third party ships it: its own module in its own distribution, found
+    through the `jaxspec.drafters` entry point; jaxspec is not edited and registers nothing."""
+    site = tmp_path / "site"
+    (site / "jaxspec_echo-0.1.dist-info").mkdir(parents=True)
+    (site / "jaxspec_echo.py").write_text(PLUGIN_SRC)
+    (site / "jaxspec_echo-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: jaxspec-echo\n"
+                                                                   "Version: 0.1\n")
+    (site / "jaxspec_echo-0.1.dist-info" / "entry_points.txt").write_text("[jaxspec.drafters]\necho = jaxspec_echo\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(A, "_plugins_loaded", False)
+    yield site
+    A.unregister("echo")
 
 
-def test_plugin_drafter_decodes_exactly_through_the_cli(repeat_plugin, tiny_dirs, tmp_path, capsys):
-    from jaxspec.generate import main
+def test_plugin_drafter_from_outside_the_package_serves_the_cli_api_and_server(installed_plugin, tiny_dirs,
+                                                                               tmp_path):
+    """--spec echo in a fresh CLI process, jaxspec.LLM(spec="echo") and the server's scheduler, each
+    equal to Hugging Face's greedy tokens, with every draft of the echo chain verified."""
+    import os
+    import subprocess
+    import sys
+
+    import jaxspec
+    from jaxspec.serve.server import build_server
+    from tests.serve_util import serve_config
+    from tests.test_serve_scheduler import run_all
 
     path, hf = tiny_dirs["llama"]
+    prompts_ids = [[5, 5, 5, 5], [9, 17, 33]]
+    want = [hf_greedy(hf, p, 16) for p in prompts_ids]
+    # 1. The CLI, in its own process: only the entry point can have registered "echo" there.
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_ids": [5, 5, 5, 5]}\n{"prompt_ids": [9, 17, 33]}\n')
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts_ids))
     out = tmp_path / "o.jsonl"
-    code = main(["--model", str(path), "--prompts", str(prompts), "--output", str(out), "--spec", repeat_plugin,
-                 "--num-draft-tokens", "4", "--max-new-tokens", "16", "--ignore-eos", "--max-context", "128",
-                 "--set", "engine.length_buckets=16,32,64,128", "--quiet"])
-    assert code == 0, capsys.readouterr().err
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed_plugin), os.getcwd()])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", "--model", str(path), "--prompts", str(prompts), "--output",
+         str(out), "--spec", "echo", "--num-draft-tokens", "4", "--adaptive-spec", "off", "--max-new-tokens", "16",
+         "--ignore-eos",
+         "--max-context", "128", "--set", "engine.length_buckets=16,32,64,128", "--quiet"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(lines) == 2
-    for line in lines:
-        assert line["output_ids"] == hf_greedy(hf, line["prompt_ids"], 16)
-        # The plugin's loop committed every token after prefill's first one.
-        assert sum(line["accept_lengths"]) >= 15
+    assert [line["output_ids"] for line in lines] == want
+    assert all(sum(line["accept_lengths"]) >= 15 for line in lines)  # the plugin's loop committed them
+    # 2. The API in this process (the entry point loads on the first unknown name).
+    assert "echo" not in A.valid_names()
+    llm = jaxspec.LLM(str(path), spec="echo", num_draft_tokens=4, adaptive="off", max_context=128,
+                      length_buckets=(16, 32, 64, 128), progress=False)
+    got = llm.generate(prompts_ids, jaxspec.SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [g.token_ids for g in got] == want and all(g.accept_lengths for g in got)
+    # 3. The server.
+    server = build_server(serve_config(path, **{"spec.algorithm": "echo", "spec.num_draft_tokens": 4,
+                                                 "serve.adaptive": False}), progress=False)
+    assert server.runner.candidates == (3,) and type(server.runner.drafter).__name__ == "EchoDrafter"
+    tokens, _ = run_all(server, prompts_ids, 16)
+    assert tokens == want
 
 
 @dataclasses.dataclass(frozen=True)

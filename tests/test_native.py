@@ -151,7 +151,7 @@ def test_engine_with_and_without_native_kernels_matches_hf(tiny_dirs):
         ecfg = EngineSection(max_batch_size=2, max_context=128, length_buckets=(16, 32, 64, 128), cpu_kernels=mode,
                              layer_loop=loop)
         engine = Engine(model.params, model.config, ecfg, progress=False)
-        assert isinstance(engine.params["head"], PackedWeight) is packed
+        assert isinstance(engine.runner.params["head"], PackedWeight) is packed
         for prompt, res in zip(prompts, engine.generate([Request(p, max_new_tokens=16) for p in prompts])):
             assert_greedy_equal(hf, prompt, res.output_ids, hf_greedy(hf, prompt, 16))
 

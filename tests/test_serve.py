@@ -284,7 +284,7 @@ def test_client_disconnect_mid_stream_frees_pages(served):
                     if line.startswith("data: {"):
                         break  # got the first chunk (the prefill's token); hang up
                 assert parked.wait(60), "the scheduler never reached a decode call"
-                assert server.runner.engine.allocator.num_used > 0  # live, holding pages
+                assert server.runner.allocator.num_used > 0  # live, holding pages
         assert wait_until(lambda: len(cancelled) == 1), "the hang-up did not cancel the request"
         assert cancelled[0].finish_reason is None  # cancelled while unfinished
     assert wait_for_idle(server, timeout=60)
@@ -303,7 +303,7 @@ def test_non_streaming_client_disconnect_frees_pages(served):
         sock = post_and_keep_open(url, "/v1/completions", body)
         try:
             assert parked.wait(60), "the scheduler never reached a decode call"
-            assert server.runner.engine.allocator.num_used > 0
+            assert server.runner.allocator.num_used > 0
         finally:
             sock.close()  # the client hangs up mid-request
         assert wait_until(lambda: len(cancelled) == 16), f"{len(cancelled)} of 16 sequences cancelled"

@@ -185,9 +185,9 @@ def test_health_and_requests_wait_for_compilation(chat_model_dir):
         assert r.status_code == 503 and r.json()["status"] == "starting"
         r = send(thread.url, "/v1/completions", OK_COMPLETION, {})
         assert r.status_code == 503 and "compiling" in r.json()["error"]["message"]
-        assert server.runner.engine.allocator.num_used == 0
+        assert server.runner.allocator.num_used == 0
         # The page gauges hold the pool's state from start-up, not 0 until a first request.
-        assert metric(thread.url, "jaxspec_kv_pages_free") == server.runner.engine.allocator.total > 0
+        assert metric(thread.url, "jaxspec_kv_pages_free") == server.runner.allocator.total > 0
         models = httpx.get(thread.url + "/v1/models").json()
         assert models["data"][0]["id"] == server.model_name
     finally:
@@ -199,7 +199,7 @@ def test_kv_memory_fraction_sizes_the_page_pool(chat_model_dir):
     import os
 
     from jaxspec.models.loading import load_model
-    from jaxspec.serve.server import _num_pages_from_memory
+    from jaxspec.engine.assemble import num_pages_from_memory as _num_pages_from_memory
 
     cfg = serve_config(chat_model_dir, **{"serve.kv_memory_fraction": 0.01})
     mc = load_model(chat_model_dir, progress=False).config

@@ -245,7 +245,7 @@ def test_seeded_sampling_reproduces_under_adaptive_speculation(world, tmp_path, 
     # 3. Seeds + 1 (what choice 1 of an n = 2 request gets).
     got = _run_sampled(server, PROMPTS, [sp(s + 1) for s in seeds], [top, 0])
     assert got == [shifted[s + 1] for s in seeds]
-    assert server.runner.engine.allocator.num_used == 0
+    assert server.runner.allocator.num_used == 0
 
 
 def test_rejection_under_adaptive_speculation_is_not_reproducible_positive_control(world, tmp_path):

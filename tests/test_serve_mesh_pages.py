@@ -78,32 +78,27 @@ def test_replicated_pool_switch_still_exact(report):
 # ---- one device: the batch layout ---------------------------------------------------------
 
 
-class _Engine:
-    def __init__(self, split):
-        self.split_pages = split
-
-
 def test_place_lays_rows_out_by_shard():
-    from jaxspec.serve.runner import ModelRunner
+    from jaxspec.engine.runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)
-    runner.engine, runner.num_shards = _Engine(True), 4
+    runner.split_pages, runner.num_shards = True, 4
     # Shard 2 has two rows: bucket 8 gives every shard 2 positions.
     assert runner.place([2, 0, 2, 3], (4, 8)) == [1, None, None, None, 0, 2, 3, None]
     assert runner.place([1, 3], (4, 8)) == [None, 0, None, 1]
     with pytest.raises(ValueError, match="3 rows on one data shard"):
         runner.place([0, 0, 0], (4, 8))
-    runner.engine, runner.num_shards = _Engine(False), 1
+    runner.split_pages, runner.num_shards = False, 1
     assert runner.place([0, 0, 0], (4, 8)) == [0, 1, 2]
 
 
 def test_rows_on_the_wrong_shard_are_refused():
     import numpy as np
 
-    from jaxspec.serve.runner import ModelRunner, RowInput
+    from jaxspec.engine.runner import ModelRunner, RowInput
 
     runner = ModelRunner.__new__(ModelRunner)
-    runner.engine, runner.num_shards = _Engine(True), 2
+    runner.split_pages, runner.num_shards = True, 2
     row = RowInput(tokens=[1, 2], prompt_len=2, max_new=4, page_row=np.zeros(4, np.int32), slot=0, temperature=0.0,
                    top_k=0, top_p=1.0, seed=0, stop_ids=(), shard=1)
     runner._check_shard(2, 4, row)

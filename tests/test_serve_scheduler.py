@@ -33,7 +33,7 @@ def run_all(server, prompts, new, after_step=None):
         if after_step is not None:
             after_step(sched)
     assert all(s.finish_reason == "length" for s in seqs)
-    assert server.runner.engine.allocator.num_used == 0  # every page back
+    assert server.runner.allocator.num_used == 0  # every page back
     return [got[i] for i in range(len(prompts))], seqs
 
 
@@ -62,7 +62,7 @@ def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
     got, _ = run_all(server, PROMPTS, NEW)
     assert got == reference
     text = server.metrics.render().decode()
-    assert "jaxspec_spec_position_acceptance" in text and server.runner.engine.allocator.num_used == 0
+    assert "jaxspec_spec_position_acceptance" in text and server.runner.allocator.num_used == 0
 
 
 def test_standalone_drafter_through_preemption_is_exact(tiny_dirs, reference):
@@ -77,4 +77,4 @@ def test_standalone_drafter_through_preemption_is_exact(tiny_dirs, reference):
     got, seqs = run_all(server, PROMPTS, NEW)
     assert got == reference
     assert sum(s.num_preemptions for s in seqs) > 0
-    assert server.runner.engine.allocator.num_used == 0
+    assert server.runner.allocator.num_used == 0

@@ -92,7 +92,7 @@ def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec
     results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts[:3]])
     for p, res, ref in zip(prompts, results, hf_refs):
         assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
-    assert engine.allocator.num_used == 0
+    assert engine.runner.allocator.num_used == 0
 
 
 def test_fast_tokenizer_path_equals_autotokenizer(smollm):

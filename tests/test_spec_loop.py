@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from jaxspec.cache.attention import gather_pages
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
-from jaxspec.engine.device_sampling import DeviceSampling
+from jaxspec.engine.phases import loop_state
+from jaxspec.engine.runner import RowInput
 from jaxspec.models.llama import forward
 from jaxspec.models.loading import load_model
 from jaxspec.speculative.loop import spec_iteration
@@ -86,7 +87,7 @@ def test_greedy_spec_equals_target_greedy(llama, algorithm, topk, steps, ndt, pa
         # The first token comes from prefill; every verify then commits num_accepted + 1.
         assert sum(res.accept_lengths) >= NEW - 1
         assert all(1 <= a <= ndt for a in res.accept_lengths)
-    assert engine.allocator.num_used == 0
+    assert engine.runner.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -189,7 +190,7 @@ def _commit_rig(model, topk, ndt, page_size):
         draft = truncate_layers(model.params, model.config, 1)
         engine = spec_engine(model, page_size, draft=draft, algorithm="standalone", topk=topk, num_steps=3,
                              num_draft_tokens=ndt)
-        step = jax.jit(lambda p, dp, s: spec_iteration(engine.spec_plan, model.config, engine.drafter, p, dp, s))
+        step = jax.jit(lambda p, dp, s: spec_iteration(engine.spec_plan, model.config, engine.runner.drafter, p, dp, s))
         _commit_rigs[key] = (engine, step)
     return _commit_rigs[key]
 
@@ -204,27 +205,29 @@ def test_committed_cache_equals_fresh_prefill(llama, config, prompts, iters):
     """After any number of iterations, committed K/V == a fresh prefill of the committed tokens."""
     model, _, _ = llama
     engine, step = _commit_rig(model, *config)
-    page_size = config[2]
-    b, lb, ctx = 2, 16, 64
-    maxp = ctx // page_size
-    tokens = np.zeros((b, lb), np.int32)
+    b, ctx = 2, 64
+    r = engine.runner
     lens = np.array([len(p) for p in prompts], np.int32)
-    pt = np.zeros((b, maxp), np.int32)
+    rows = []
     for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-        pt[i] = engine.allocator.allocate(i, ctx)
-    sampling = DeviceSampling.pack([Request([], max_new_tokens=40).row()] * b, b)
-    state = engine._prefill(*engine._prefill_args(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(pt), sampling), ctx)
+        r.allocator.allocate(i, ctx)
+        rows.append(RowInput(tokens=list(p), prompt_len=len(p), max_new=40,
+                             page_row=np.asarray(r.allocator.page_table_row(i, r.max_pages)), slot=i,
+                             temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=()))
+    for row, first in zip(rows, r.prefill([(row, 0, row.prompt_len) for row in rows])):
+        row.tokens.append(first)
+    state, _ = loop_state(r, engine.depth, rows, ctx)
+    pt = np.asarray(state.page_table)
     for _ in range(iters):
-        state = step(engine.params, engine.draft_params, state)
-    engine.cache, engine.draft_cache = state.cache, state.draft.cache  # the prefill donated them
+        state = step(r.params, r.draft_params, state)
+    r.cache, r.draft_cache = state.cache, state.draft.cache  # keep the runner's caches the live ones
     committed = np.asarray(state.hist_len) - 1  # the root's K/V is not in the cache yet
     history = np.asarray(state.history)
     assert (committed > lens).all() and committed.max() <= 32
 
     fresh_len = 32  # static: one compile for every example
     fresh_cache = dataclasses.replace(state.cache, k=jnp.zeros_like(state.cache.k), v=jnp.zeros_like(state.cache.v))
-    fresh = _fresh_prefill(engine.params, model.config, jnp.asarray(history[:, :fresh_len]), fresh_cache,
+    fresh = _fresh_prefill(engine.runner.params, model.config, jnp.asarray(history[:, :fresh_len]), fresh_cache,
                            jnp.asarray(pt), jnp.asarray(committed))
     for name in ("k", "v"):
         got = jax.vmap(lambda layer: gather_pages(layer, jnp.asarray(pt)))(getattr(state.cache, name))
@@ -232,7 +235,7 @@ def test_committed_cache_equals_fresh_prefill(llama, config, prompts, iters):
         for i in range(b):
             np.testing.assert_allclose(np.asarray(got[:, i, : committed[i]]), np.asarray(want[:, i, : committed[i]]),
                                        atol=2e-5, rtol=1e-5)
-    engine.allocator.free_all()
+    engine.runner.allocator.free_all()
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -254,8 +257,8 @@ def test_whole_cache_copy_detector_catches_a_copying_loop(llama):
     cache after updating it must keep both, so XLA copies the cache every
     iteration, and the detector sees that; the same loop updating in place has none."""
     engine = spec_engine(llama[0], algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4)
-    shape = engine.cache.k.shape
-    cache = jnp.zeros(shape, engine.cache.k.dtype)
+    shape = engine.runner.cache.k.shape
+    cache = jnp.zeros(shape, engine.runner.cache.k.dtype)
 
     def loop(k, read_old):
         def body(c):
@@ -287,8 +290,8 @@ def test_loop_body_never_copies_the_cache(llama, spec_kw):
     # must update the carry in place. (Detector: test_whole_cache_copy_detector_catches_a_copying_loop.)
     engine = spec_engine(llama[0], **spec_kw)
     engine.generate([Request([5, 17, 33, 9], max_new_tokens=8)])
-    decode = [(key, ex) for key, ex in engine._compiled.items() if key[0] == "decode"]
+    decode = [(key, ex) for key, ex in engine.runner._compiled.items() if key[0] == "decode"]
     assert decode, "no decode executable was compiled: nothing would be checked"
     for key, executable in decode:
-        copies = _whole_cache_copies(executable.as_text(), engine.cache.k.shape)
+        copies = _whole_cache_copies(executable.as_text(), engine.runner.cache.k.shape)
         assert not copies, f"{key}: {len(copies)} whole-cache copies in the decode loop"

@@ -48,15 +48,15 @@ def propose_ms(engine, prefix: int = 256, reps: int = 20) -> float:
     from jaxspec.engine.core import spec_state
 
     drafter, b = engine.drafter, 1
-    maxp = -(-1024 // engine.page_size)
+    maxp = -(-1024 // engine.ecfg.page_size)
     table = jnp.arange(1, maxp + 1, dtype=jnp.int32)[None]
-    state = drafter.init_state(engine.draft_cache, b)
+    state = drafter.init_state(engine.runner.draft_cache, b)
     s = spec_state(cache=None, draft=None, page_table=table, history=jnp.ones((b, 1024), jnp.int32),
                    hist_len=jnp.full((b,), prefix + 1, jnp.int32), prompt_lens=jnp.ones((b,), jnp.int32),
                    done=jnp.zeros((b,), bool), accept_width=1,
                    sampling=DeviceSampling.pack([None] * b, b))  # greedy: the chat default
     fn = jax.jit(lambda dp, st, s: drafter.propose(dp, st, s).tokens)
-    call = lambda: fn(engine.draft_params, state, s).block_until_ready()  # noqa: E731
+    call = lambda: fn(engine.runner.draft_params, state, s).block_until_ready()  # noqa: E731
     call()
     return 1000 * median(timed(call, reps))
 

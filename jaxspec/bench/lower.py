@@ -169,12 +169,13 @@ def engine_entry_points(model, args, mesh=None):
 
 def serve_entry_points(model, args, mesh=None):
     """The server's buckets (`ModelRunner.all_keys`): chunked prefill, and decode per draft length k (0 = plain)."""
-    from jaxspec.serve.runner import ModelRunner
+    from jaxspec.config import SpecSection
+    from jaxspec.engine.runner import ModelRunner
 
     # One page pool, as `build_server` makes it.
-    engine = _build_engine(model, Case({"algorithm": "ngram", "num_draft_tokens": 4}, None, ""), args, mesh,
-                           split_pages=False)
-    runner = ModelRunner(engine, steps_candidates=(0, 3), steps_per_call=4, context_buckets=(args.context,),
+    runner = ModelRunner(model.params, model.config, _engine_cfg(args), progress=False,
+                         spec=SpecSection(algorithm="ngram", num_draft_tokens=4), mesh=mesh, split_pages=False,
+                         steps_candidates=(0, 3), steps_per_call=4, context_buckets=(args.context,),
                          prefill_chunk=args.prompt_len, max_prefill_batch=args.batch)
     for key in runner.all_keys():
         if key[0] == "prefill":

@@ -1,10 +1,9 @@
-"""The pieces the batch engine and the server share: one chunked prefill, one
-loop-state builder, and the per-row slicing of drafter state.
+"""What the runner compiles around the loop: one chunked prefill, one loop-state
+builder, and the per-row slicing of drafter state.
 
-Both front ends (`jaxspec.engine.Engine` under `jaxspec.generate`, and
-`jaxspec.serve.runner.ModelRunner` under the server) prefill through
-`make_chunk_prefill_fn` and build the speculative carry with `spec_state`, so
-a drafter sees the same calls whichever front end drives it:
+`jaxspec.engine.runner.ModelRunner` (under the offline engine and the server)
+prefills through `make_chunk_prefill_fn` and builds the speculative carry with
+`spec_state`, so a drafter sees the same calls whichever front end drives it:
 
     target forward over the chunk (capturing the drafter's features)
     -> sample the token at the chunk's end -> drafter.prefill(chunk + features)

@@ -1,8 +1,8 @@
 """The one device form of a batch's sampling parameters, and its one packer.
 
-Every front end (the offline engine behind the CLI and the API, the server's runner, the
-benchmarks) hands the jitted programs a `DeviceSampling` of [B] arrays; a batch mixes greedy
-and sampled rows, padding rows are greedy. `pack` is the only place host values become it.
+Every front end (the offline engine behind the CLI and the API, the server, the benchmarks)
+hands the jitted programs a `DeviceSampling` of [B] arrays; a batch mixes greedy and sampled
+rows, padding rows are greedy. `pack` is the only place host values become it.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class DeviceSampling:
     def pack(cls, rows: Sequence, b: int) -> "DeviceSampling":
         """numpy arrays for `rows` (None = a padding row), padded to b rows.
 
-        A row has temperature, top_p, top_k, seed, stop_ids and max_new (the server's RowInput;
-        `Request.row()` gives the engine's). Seeds wrap to uint32, budgets clip to int32."""
+        A row has temperature, top_p, top_k, seed, stop_ids and max_new (`runner.RowInput`).
+        Seeds wrap to uint32, budgets clip to int32."""
         temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
         topk, seed, max_new = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.serve.runner import ModelRunner
+from jaxspec.engine.runner import ModelRunner
 
 _OPS = ("stop", "prefill", "decode")
 

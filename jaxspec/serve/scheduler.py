@@ -40,7 +40,7 @@ from typing import Callable
 from jaxspec.cache.paged import OutOfPagesError
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
-from jaxspec.serve.runner import ModelRunner, RowInput
+from jaxspec.engine.runner import ModelRunner, RowInput
 
 log = logging.getLogger("jaxspec.serve")
 
@@ -109,14 +109,13 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
                  metrics=None):
         self.runner = runner
-        self.engine = runner.engine
-        self.allocator = runner.engine.allocator
+        self.allocator = runner.allocator
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.adaptive = adaptive
         self.metrics = metrics
         self.fixed_k = max(runner.candidates)
-        self.num_shards = runner.num_shards if runner.engine.split_pages else 1
+        self.num_shards = runner.num_shards if runner.split_pages else 1
         # Page pools: one per data shard with split pages, else the one allocator.
         self._pools = self.allocator.pools if self.num_shards > 1 else [self.allocator]
         # Drafter-state rows (runner.store), one per active sequence: at most max_batch_size
@@ -144,15 +143,15 @@ class Scheduler:
     def max_sequence_tokens(self) -> int:
         """Prompt + new tokens one sequence can hold: the context or the whole cache (split pages: one data
         shard's pool), less the draft scratch."""
-        slots = min(self.engine.max_context, self._pools[0].total * self.allocator.page_size)
+        slots = min(self.runner.max_context, self._pools[0].total * self.allocator.page_size)
         return slots - self.runner.reserve
 
     def check(self, prompt_len: int, params: SeqParams) -> str | None:
         """Why this request can never run (None if it can): the context or the whole cache."""
         total = prompt_len + params.max_new_tokens + self.runner.reserve
-        if total > self.engine.max_context:
+        if total > self.runner.max_context:
             return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} exceeds the context of "
-                    f"{self.engine.max_context - self.runner.reserve} tokens")
+                    f"{self.runner.max_context - self.runner.reserve} tokens")
         pool = self._pools[0]  # every shard's pool has the same size
         if pool.pages_for(total) > pool.total:
             where = "the whole cache has" if self.num_shards == 1 else "a data shard's page pool has"

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import secrets
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 from jaxspec.config import Config
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import APIError, GenParams
-from jaxspec.serve.runner import ModelRunner
+from jaxspec.engine.runner import ModelRunner
 from jaxspec.serve.scheduler import Scheduler, Seq, SeqParams
 from jaxspec.speculative.algorithm import check_request_sampling
 
@@ -44,7 +42,7 @@ class Server:
 
     @property
     def max_context(self) -> int:
-        return self.runner.engine.max_context - self.runner.reserve
+        return self.runner.max_context - self.runner.reserve
 
     def warm_up(self, progress: bool = False) -> None:
         """Compile every bucket, time the decode buckets for the adaptive policy, start scheduling."""
@@ -110,38 +108,6 @@ class Server:
         self.scheduler.shutdown()
 
 
-def _num_pages_from_memory(cfg: Config, model_cfg, data_shards: int = 1) -> int:
-    """Pages that fit in `kv_memory_fraction` of free device memory (host RAM on CPU). With pages
-    split over `data_shards` each accelerator holds 1/data_shards of them (CPU devices share one RAM)."""
-    import jax
-
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    itemsize = 4 if cfg.model.dtype == "float32" else 2
-    per_page = 2 * model_cfg.num_layers * cfg.engine.page_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
-    pages = max(2, int(free * cfg.serve.kv_memory_fraction // per_page))
-    if dev.platform != "cpu":
-        pages *= data_shards
-    if jax.process_count() > 1:  # every process must build the same cache shape: process 0's count
-        from jax.experimental import multihost_utils
-
-        pages = int(multihost_utils.broadcast_one_to_all(np.int32(pages)))
-    return pages
-
-
-def _run_config(model_cfg, mesh):
-    """The config the engine runs: heads padded for the mesh's TP size (`models.padding`), so pages are sized right."""
-    if mesh is None:
-        return model_cfg
-    from jaxspec.models.padding import padded_config
-
-    return padded_config(model_cfg, mesh.shape["model"])[0]
-
-
 def enable_compilation_cache(cfg: Config) -> None:
     from jaxspec.paths import enable_compilation_cache as enable
 
@@ -156,52 +122,22 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     replicated pool; None = `cfg.serve.split_pages` where the config has it, else on."""
     import jax.numpy as jnp
 
-    from jaxspec.engine import Engine
-    from jaxspec.api import build_draft, stop_token_ids
+    from jaxspec.engine.assemble import assemble, stop_token_ids
     from jaxspec.models.loading import load_model
 
     dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
     enable_compilation_cache(cfg)
     if model is None:
         model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
-    spec = cfg.spec
     s = cfg.serve
-    if spec.algorithm.lower() == "none":
-        # Plain decoding is the k = 0 plan of the speculative loop (one token per iteration).
-        spec, candidates = dataclasses.replace(spec, algorithm="ngram", topk=1, num_draft_tokens=2), (0,)
-    elif s.adaptive:
-        candidates = s.adaptive_steps
-    else:
-        candidates = (spec.num_draft_tokens - 1,)
-    if split_pages is None:
-        split_pages = bool(getattr(s, "split_pages", True))
-    data_shards = mesh.shape["data"] if split_pages and mesh is not None else 1
-    engine_cfg = cfg.engine
-    if s.kv_memory_fraction > 0:
-        pages = _num_pages_from_memory(cfg, _run_config(model.config, mesh), data_shards)
-        engine_cfg = dataclasses.replace(engine_cfg, num_pages=pages)
-    draft = build_draft(dataclasses.replace(cfg, spec=spec), model, dtype, progress)
-    corpus = None
-    if spec.ngram_corpus:
-        from jaxspec.speculative.drafters.ngram import corpus_token_array
-
-        corpus = corpus_token_array(spec.ngram_corpus, model.tokenizer, vocab_size=model.config.vocab_size)
-    if s.adaptive and candidates != (0,):
-        # The engine's own plan is the deepest candidate (page reserve and buffers size to it).
-        spec = dataclasses.replace(spec, topk=1, num_draft_tokens=max(candidates) + 1,
-                                   num_steps=max(max(candidates), 1))
     # Split pages: a page pool per data shard; the scheduler pins each sequence to one
-    # (`Engine(split_pages=...)`, `Scheduler`). Off: one pool, replicated over "data".
-    engine = Engine(model.params, model.config, engine_cfg, progress=progress, spec=spec, draft=draft,
-                    ngram_corpus=corpus, mesh=mesh, split_pages=split_pages)
-    runner = ModelRunner(engine, steps_candidates=candidates, steps_per_call=s.steps_per_call,
-                         context_buckets=s.context_buckets, prefill_chunk=s.prefill_chunk,
-                         max_prefill_batch=s.max_prefill_batch)
+    # (`ModelRunner(split_pages=...)`, `Scheduler`). Off: one pool, replicated over "data".
+    runner = assemble(cfg, model, mesh=mesh, progress=progress, serving=True, split_pages=split_pages)
     metrics = ServerMetrics(max_accept_length=runner.max_depth + 1)
     adaptive = None
     if len(runner.candidates) > 1:
         adaptive = AdaptiveSteps(runner.candidates, {}, hysteresis=s.adaptive_hysteresis)
-    scheduler = Scheduler(runner, model.tokenizer, max_batch_size=engine_cfg.max_batch_size, adaptive=adaptive,
+    scheduler = Scheduler(runner, model.tokenizer, max_batch_size=cfg.engine.max_batch_size, adaptive=adaptive,
                           metrics=metrics)
     name = s.served_model_name or (
         "SmolLM2-135M-Instruct" if cfg.model.path == "default" else Path(cfg.model.path).name)

@@ -135,6 +135,39 @@ def check_request_sampling(verify: str, temperature: float) -> None:
 
 # name -> (info, factory). Module-level on purpose: plugins register at import.
 _PLUGINS: dict[str, tuple[AlgorithmInfo, Callable[..., Any] | None]] = {}
+# Plugins from outside the package: modules (or functions) named by this entry-point group in an
+# installed distribution, and modules listed in $JAXSPEC_PLUGINS (comma-separated). They are
+# imported the first time a name is looked up and not known, so the CLI, `jaxspec.LLM` and the
+# server all see them with no edit here (vLLM's general-plugins pattern).
+PLUGIN_GROUP = "jaxspec.drafters"
+PLUGIN_ENV = "JAXSPEC_PLUGINS"
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Import every external plugin once per process; a module registers at import, a function
+    named by an entry point is called. A plugin that fails is an error naming it."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True  # first: a plugin that looks a name up while importing must not recurse
+    import importlib
+    import os
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            obj = ep.load()
+            if callable(obj):
+                obj()
+        except Exception as e:
+            raise SpecConfigError(f"drafter plugin entry point {ep.name!r} ({ep.value}) failed: "
+                                  f"{type(e).__name__}: {e}") from None
+    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
+        try:
+            importlib.import_module(mod)
+        except Exception as e:
+            raise SpecConfigError(f"{PLUGIN_ENV} module {mod!r} failed to import: {type(e).__name__}: {e}") from None
 
 
 # --------------------------------------------------------------------------
@@ -169,6 +202,9 @@ def canonical_name(name: str | SpecAlgorithm) -> str:
         return ALIASES[key].value
     if key in _PLUGINS or key in builtin_names():
         return key
+    if not _plugins_loaded:
+        load_plugins()
+        return canonical_name(name)
     raise SpecConfigError(f"unknown speculative algorithm {name!r}; valid: {_describe_valid()}")
 
 

@@ -238,7 +238,7 @@ def build_examples(conversations: Sequence[Conversation], tokenizer, *, source: 
     source "raw": ShareGPT's own responses. "regenerate": the first user turn with the chat template,
     answered by the target through `engine` (a `jaxspec.engine.Engine`; batches of its
     max_batch_size), `Request(temperature, seed=seed + first_index + i)` for conversation i, stopping at
-    `stop_ids` (default: the tokenizer's EOS; pass `jaxspec.api.stop_token_ids(model)`).
+    `stop_ids` (default: the tokenizer's EOS; pass `jaxspec.engine.assemble.stop_token_ids(model)`).
     `sampled_every = n > 0`: every n-th conversation (by its global index) is answered at
     `sampled_temperature` instead, so that a greedy-regenerated shard also trains sampled acceptance."""
     stops = _stop_ids(tokenizer, stop_ids)
@@ -647,7 +647,7 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
     if source == "regenerate":
         from jaxspec.config import EngineSection
         from jaxspec.engine import Engine
-        from jaxspec.api import stop_token_ids
+        from jaxspec.engine.assemble import stop_token_ids
 
         engine = Engine(model.params, cfg, EngineSection(max_batch_size=batch, max_context=max_len),
                         progress=progress)

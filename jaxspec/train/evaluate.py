@@ -52,7 +52,7 @@ class HeadEngine:
             ecfg = EngineSection(max_batch_size=b, max_context=ctx, length_buckets=(ctx,), batch_buckets=(b,))
             self.engine = Engine(self.target.params, self.target.config, ecfg, progress=False, spec=spec, draft=draft)
         else:  # same head shape: new draft params, same executables
-            self.engine.draft_params = self.engine._draft_params(self.engine.drafter, *draft)
+            self.engine.runner.set_draft_params(draft[0])
         return self.engine.generate([Request(prompt_ids=p, max_new_tokens=self.max_new_tokens) for p in self.prompts])
 
     def tau(self, params) -> float:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from jaxspec.speculative.algorithm import SpecConfigError, plugin_factory
 from jaxspec.speculative.drafters.ngram import NgramDrafter
+from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.drafters.standalone import StandaloneDrafter
 from jaxspec.speculative.protocol import Drafter, check_drafter
 
@@ -32,6 +33,8 @@ def build_drafter(plan: "SpecPlan", *, draft_cfg=None, catch_up_width: int = 0, 
     if plan.sps_table not in ("", "default") and not getattr(draft_cfg, "confidence", False):
         raise SpecConfigError(f"spec.sps_table (--sps-table) drives the planner of a head with a confidence head "
                               f"(DSPARK); {plan.algorithm} verifies every draft, so it would be ignored")
+    if plan.algorithm == "none":
+        return PlainDrafter()
     if plan.algorithm == "ngram":
         return NgramDrafter(plan)
     if plan.algorithm == "standalone":

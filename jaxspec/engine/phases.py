@@ -1,0 +1,66 @@
+"""Phase timing (`--profile-phases`): a decode call with draft / verify / commit jitted apart.
+
+The fused loop has no per-phase clock, so this reruns a call through the loop's own phase
+functions (`loop.make_phase_fns`: the same draft, verify, commit and observe as `spec_iteration`),
+one host round trip per iteration: same tokens, and a total a little above the fused loop's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import mesh as shd
+from jaxspec.engine.core import draft_cache_of, row_state, with_row_state
+from jaxspec.engine.runner import ModelRunner
+from jaxspec.engine.types import RequestError, RowInput
+from jaxspec.speculative.loop import SpecState, make_phase_fns
+
+
+def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, timer):
+    """`r.decode(k, rows, ctx)` with each phase timed into `timer` (a PhaseTimer). The first
+    iteration compiles the phases: not timed."""
+    if r.split_pages:  # the phases are jitted apart, not per data shard
+        raise RequestError("profile_phases needs one page pool: build the Engine with split_pages=False")
+    s, slots = loop_state(r, k, rows, ctx)
+    draft, verify, commit, observe = make_phase_fns(r.plans[k], r.cfg, r.drafters[k])
+    store_rows = r.store[1]
+    try:
+        with r.mesh_context():
+            for it in range(r.steps_per_call or ctx):
+                if bool(jax.device_get(jnp.all(s.done))):
+                    break
+                timed = timer.phase if it else (lambda name: contextlib.nullcontext())
+                with timed("draft"):
+                    t, p, q, d = jax.block_until_ready(draft(r.draft_params, s))
+                with timed("verify"):
+                    new_cache, result, feats = jax.block_until_ready(verify(r.params, s, t, p, q))
+                with timed("other"):
+                    new = jax.block_until_ready(commit(s, new_cache, d, t, result, p))
+                with timed("draft"):  # the draft-extend is drafting work
+                    s = jax.block_until_ready(observe(r.draft_params, s, new, t, result, feats))
+        r.cache = s.cache
+        if draft_cache_of(s.draft) is not None:
+            r.draft_cache = draft_cache_of(s.draft)
+        r.store = (r.draft_cache, jax.tree.map(lambda st, row: st.at[slots].set(row), store_rows,
+                                               row_state(s.draft)))
+    finally:
+        r._restore()
+    result = shd.to_host((s.history, s.hist_len, s.done, s.accept_lens, s.num_verify))
+    return r.decode_outputs(rows, result)
+
+
+def loop_state(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[SpecState, jax.Array]:
+    """(the loop carry of a decode call, its slots [b]) with the drafter state gathered from the
+    store, outside any executable: what the phases run on. The caches stay this runner's."""
+    _, inputs = r.decode_inputs(k, rows, ctx)
+    cache, store_rows = r.store
+    slots = jnp.asarray(inputs["slots"])
+    init = r.drafters[k].init_state(cache, slots.shape[0])
+    s = r._state(shd.shard_batch(inputs, r.mesh), ctx)
+    return dataclasses.replace(s, draft=with_row_state(init, jax.tree.map(lambda x: x[slots], store_rows),
+                                                       cache)), slots

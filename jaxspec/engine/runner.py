@@ -1,0 +1,599 @@
+"""The one executor: weights, paged caches, drafter state and the compiled programs per bucket.
+
+The offline engine (`jaxspec.engine.Engine`, under the CLI and `jaxspec.LLM`)
+and the server's scheduler both drive a `ModelRunner`; nothing else touches
+its caches. Plain decoding is its k = 0 plan (`drafters.plain.PlainDrafter`
+under `spec.algorithm = "none"`), so there is one prefill, one loop and one
+sampler whether speculation is on or off.
+
+The caller owns every sequence's tokens on the host and hands each call the
+small per-call arrays (page table, history, lengths, sampling), so a sequence
+can join or leave the batch between any two calls and the batch can move
+between buckets freely. On device across calls live the paged caches and the
+drafter's per-sequence state (a feature drafter's pending target feature, a
+draft model's cached length): a slot store with one row per batch slot
+(`RowInput.slot`, stable while a sequence is active), gathered into the
+call's rows and scattered back inside the same executable. All of them are
+donated to every call.
+
+Pages over "data" (`split_pages`, under a mesh with data > 1): each data
+shard has its own page pool and its own slice of the slot store, and both
+executables run once per data shard (`mesh.per_data_shard`). A batch of b
+rows gives shard d rows d*(b/data) .. (d+1)*(b/data)-1 (`place`); a
+sequence's page-table row holds its shard's local page ids and its slot is a
+row of that shard's store. A `None` row is padding.
+
+Two executables per bucket:
+
+* `("prefill", b, chunk)`: one chunk of up to `chunk` prompt tokens per row
+  at cache slot `q_start` (target and drafter), and the token sampled at the
+  chunk's end (what a chunk that finishes the prompt emits);
+* `("decode", k, b, ctx)`: draft -> verify -> commit iterations inside one
+  `lax.while_loop` (the `SpecState` carry of `jaxspec.speculative.loop`) with
+  draft length k, for at most `steps_per_call` iterations (the server, so
+  requests can join between calls) or until every row is done (None: the
+  offline engine's whole generation as one program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import aot
+from jaxspec import mesh as shd
+from jaxspec.cache.paged import PageAllocator, ShardedPageAllocator, check_cache_fits
+from jaxspec.config import EngineSection
+from jaxspec.engine.core import draft_cache_of, make_chunk_prefill_fn, row_state, spec_state, with_row_state
+from jaxspec.engine.device_sampling import DeviceSampling
+from jaxspec.engine.types import RequestError, RowInput, RowOutput, bucket_for
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import prepare_params
+from jaxspec.native.build import use_native_kernels
+from jaxspec.speculative.drafters import build_drafter, reserve_tokens
+from jaxspec.speculative.drafters.plain import PlainDrafter
+from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
+
+
+def plan_for_steps(base: SpecPlan, k: int) -> SpecPlan:
+    """The plan drafting k tokens per iteration: the configured shape at its own depth, else a
+    chain of k (k = 0: nothing drafted)."""
+    if k == base.max_depth:
+        return base
+    return dataclasses.replace(base, num_draft_tokens=k + 1, topk=1, num_steps=max(k, 1))
+
+
+def _prefill_adapter(chunk_prefill):
+    """The shared chunked prefill with the drafter state third (what `_with_slots` expects)."""
+
+    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling):
+        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling)
+        return cache, first, draft
+
+    return fn
+
+
+def _decode_adapter(decode):
+    def fn(params, draft_params, draft, state):
+        out = decode(params, draft_params, dataclasses.replace(state, draft=draft))
+        return dataclasses.replace(out, draft=None), out.draft
+
+    return fn
+
+
+def _with_slots(fn, drafter):
+    """fn(params, draft_params, draft, *args) -> (..., draft) as a function of the
+    slot store instead: store = (draft cache, per-row leaves [num_slots + 1, ...]),
+    slots [B] int32 -> (store, ...). The rows are gathered before and scattered back
+    after, inside the same executable (padding rows use the spare last slot).
+
+    The store comes first in the outputs as in the arguments: jit pairs donated inputs
+    with outputs by shape in order, so a draft cache shaped like the target's (a
+    standalone draft as deep as the target) would otherwise alias the target's
+    buffer, and XLA copies both caches in and out of every call."""
+
+    def run(params, draft_params, store, slots, *args):
+        cache, rows = store
+        b = slots.shape[0]
+        draft = with_row_state(drafter.init_state(cache, b), jax.tree.map(lambda x: x[slots], rows), cache)
+        *out, draft = fn(params, draft_params, draft, *args)
+        new_rows = jax.tree.map(lambda st, r: st.at[slots].set(r), rows, row_state(draft))
+        return ((draft_cache_of(draft), new_rows), *out)
+
+    return run
+
+
+def _stateless(decode):
+    """A decode that keeps no drafter state (the plain drafter of a run-to-completion call):
+    the store passes through untouched, so one call signature serves every k."""
+
+    def run(params, draft_params, store, slots, state):
+        return store, dataclasses.replace(decode(params, draft_params, state), draft=None)
+
+    return run
+
+
+class ModelRunner:
+    """Params, caches, allocator and slot store of one model, and its compiled programs.
+
+    `params` / `draft` params as loaded (Hugging Face layout); the runner keeps the runtime
+    layout (`prepare_params`). `spec`: a SpecSection (None or algorithm "none": plain
+    decoding); `draft`: the drafter's (params, config); `ngram_corpus`: token ids [K] the
+    n-gram drafter also matches against. `mesh`: a ("data", "model") mesh to shard over;
+    heads and MLP columns its TP size does not divide are zero-padded (exact), so `cfg` may
+    have more heads than `model_cfg`. `split_pages`: with a "data" axis > 1, a page pool and
+    store slice per data shard. `steps_candidates`: the draft lengths k compiled (default:
+    the configured shape's depth; `with_plain` adds k = 0); `steps_per_call`: iterations per
+    decode call (None: until every row is done)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, spec=None,
+                 draft: tuple | None = None, ngram_corpus=None, mesh: jax.sharding.Mesh | None = None,
+                 split_pages: bool = True, benchmark: bool = False, progress: bool = True,
+                 steps_candidates: Sequence[int] | None = None, steps_per_call: int | None = None,
+                 context_buckets: Sequence[int] | None = None, prefill_chunk: int | None = None,
+                 max_prefill_batch: int | None = None, with_plain: bool = False):
+        # 1. Mesh and weights.
+        self.mesh = mesh
+        self.split_pages = bool(split_pages and mesh is not None and mesh.shape["data"] > 1)
+        self.num_shards = mesh.shape["data"] if self.split_pages else 1
+        self.progress = progress
+        self.model_cfg = cfg  # as loaded; self.cfg is what runs (heads padded for the mesh)
+        params, cfg, self.padding = self._pad_for_mesh(params, cfg, "model")
+        self._unstack = None if engine_cfg.layer_loop == "auto" else engine_cfg.layer_loop == "unrolled"
+        self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
+        self.params = shd.shard_params(prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels),
+                                       cfg, mesh)
+        self.cfg, self.ecfg = cfg, engine_cfg
+        self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
+        self.page_size = engine_cfg.page_size
+        # 2. The plan and a drafter per draft length.
+        self.speculative = spec is not None and spec.algorithm.lower() != "none"
+        self.corpus = None
+        self.base_plan = self._plan(spec, benchmark, draft is not None, ngram_corpus)
+        candidates = (self.base_plan.max_depth,) if steps_candidates is None else tuple(steps_candidates)
+        self.candidates = tuple(sorted(set(candidates + ((0,) if with_plain else ()))))
+        self.plans = {k: plan_for_steps(self.base_plan, k) for k in self.candidates}
+        self.max_depth = max(p.max_depth for p in self.plans.values())
+        self.steps_per_call = steps_per_call
+        self.draft_padding = None
+        dparams, dcfg = draft if draft is not None else (None, None)
+        if isinstance(dcfg, ModelConfig):
+            dparams, dcfg, self.draft_padding = self._pad_for_mesh(dparams, dcfg, "draft model")
+        self.draft_cfg = dcfg
+        self.drafters = {k: self._build_drafter(plan, k) for k, plan in self.plans.items()}
+        # Every plan's drafter keeps the main drafter's state layout (they differ in draft length
+        # only), so one store and one prefill serve all of them.
+        self.drafter = self.drafters[self.candidates[-1]]
+        # Plain decoding writes only committed tokens' K/V: no slots past prompt + max_new.
+        self.reserve = max(reserve_tokens(self.plans[k], d) for k, d in self.drafters.items()) if self.speculative else 0
+        self.draft_params = self._draft_params(self.drafter, dparams, dcfg)
+        # 3. Caches, pages, buckets.
+        self._init_caches(engine_cfg)
+        n = self.num_shards  # buckets round up to whole rows per data shard
+        up = lambda b: -(-b // n) * n  # noqa: E731
+        buckets = [b for b in sorted(engine_cfg.batch_buckets) if b < engine_cfg.max_batch_size]
+        self.batch_buckets = tuple(sorted({up(b) for b in buckets + [engine_cfg.max_batch_size]}))
+        lengths = sorted(engine_cfg.length_buckets)
+        max_prefill_batch = engine_cfg.max_batch_size if max_prefill_batch is None else max_prefill_batch
+        self.prefill_batches = tuple(b for b in self.batch_buckets if b <= up(max_prefill_batch)) or (n,)
+        self.prefill_chunk = prefill_chunk or bucket_for(self.max_context, lengths, "max_context")
+        self.chunk_buckets = tuple(c for c in lengths if c < self.prefill_chunk) + (self.prefill_chunk,)
+        ctx = [c for c in sorted(context_buckets or lengths) if c < self.max_context] + [self.max_context]
+        self.context_buckets = tuple(ctx)
+        # Slots per store (split pages: per data shard, shard-local ids); `num_slots` is the spare.
+        self.num_slots = self.batch_buckets[-1] // n if self.split_pages else engine_cfg.max_batch_size
+        self.store = self._new_store()
+        # 4. The jitted programs; `pinned`: outputs keep the mesh layout, so each accepts its own outputs.
+        self._decode = {k: self._decode_fn(k) for k in self.candidates}
+        self._prefill = self.pinned(_with_slots(_prefill_adapter(make_chunk_prefill_fn(cfg, self.drafter)),
+                                                self.drafter), replicated=(0, 1))
+        self._compiled: dict[tuple, object] = {}
+        self.num_compiles = 0
+        self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration
+
+    # ---- construction --------------------------------------------------------------
+
+    def _plan(self, spec, benchmark: bool, draft_given: bool, ngram_corpus) -> SpecPlan:
+        from jaxspec.config import SpecSection
+        from jaxspec.speculative.algorithm import validate_spec_config
+
+        if not self.speculative:  # plain decoding: the k = 0 plan, any sampling allowed
+            return SpecPlan.from_config(SpecSection(algorithm="none", num_draft_tokens=1, topk=1, num_steps=1))
+        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=benchmark, draft_given=draft_given))
+        if ngram_corpus is not None:
+            if plan.algorithm != "ngram":
+                raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
+            self.corpus = shd.shard_batch(np.asarray(ngram_corpus, np.int32).reshape(1, -1), self.mesh)
+        return plan
+
+    def _build_drafter(self, plan: SpecPlan, k: int):
+        if k == 0 and self.steps_per_call is None:
+            # Run to completion: no later call reads this call's drafter state, so k = 0 is plain decoding.
+            return PlainDrafter()
+        try:
+            return build_drafter(plan, draft_cfg=self.draft_cfg, target_cfg=self.cfg,
+                                 catch_up_width=self.max_depth + 1)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def _draft_params(self, drafter, dparams, dcfg) -> dict:
+        """{"own": the drafter's runtime params, "target": the target params it shares}.
+
+        The shared leaves are the target's own device arrays: passing them again
+        as jit arguments copies nothing."""
+        own = None
+        if dparams is not None:
+            if isinstance(dcfg, ModelConfig) and dcfg.vocab_size != self.cfg.vocab_size:
+                raise RequestError(
+                    f"draft vocabulary {dcfg.vocab_size} differs from the target's {self.cfg.vocab_size}: "
+                    "the draft model must share the target's tokenizer")
+            own = drafter.prepare_params(dparams, native=self.native_kernels, unstack=self._unstack)
+            if isinstance(dcfg, ModelConfig):
+                own = shd.shard_params(own, dcfg, self.mesh)
+            elif self.mesh is not None:
+                own = shd.replicate(own, self.mesh)
+        return {"own": own, "target": {k: self.params[k] for k in drafter.shares_target}}
+
+    def set_draft_params(self, dparams) -> None:
+        """Swap in new weights of the same drafter (a training run's evaluation): same shapes,
+        so every compiled program stays valid."""
+        self.draft_params = self._draft_params(self.drafter, dparams, self.draft_cfg)
+
+    def _init_caches(self, ecfg: EngineSection) -> None:
+        cfg, n = self.cfg, self.num_shards
+        pages_per_seq = -(-bucket_for(self.max_context, ecfg.length_buckets, "max_context") // self.page_size)
+        # One page pool per data shard, each with its own null page.
+        per_shard = ecfg.num_pages // n if ecfg.num_pages else -(-ecfg.max_batch_size // n) * pages_per_seq + 1
+        num_pages = n * per_shard
+        self.dtype = dtype = self.params["embed"].dtype
+        self._cache_shapes = {"cache": (cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)}
+        ccfg = self.drafter.draft_cache_cfg
+        if ccfg is not None:
+            self._cache_shapes["draft_cache"] = (ccfg.num_layers, num_pages, self.page_size, ccfg.num_kv_heads,
+                                                 ccfg.head_dim)
+        for name, shape in self._cache_shapes.items():
+            check_cache_fits(shape, dtype, self.mesh, "KV cache" if name == "cache" else "draft KV cache")
+        self.cache = self._zeros("cache")
+        self.draft_cache = self._zeros("draft_cache") if ccfg is not None else None
+        self.allocator = (ShardedPageAllocator(n, per_shard, self.page_size) if self.split_pages
+                          else PageAllocator(num_pages, self.page_size))
+
+    def _zeros(self, name: str):
+        return shd.zeros_cache(self._cache_shapes[name], self.dtype, self.mesh, self.split_pages)
+
+    def _decode_fn(self, k: int):
+        drafter = self.drafters[k]
+        decode = make_spec_decode_fn(self.plans[k], self.cfg, drafter, max_iters=self.steps_per_call)
+        if isinstance(drafter, PlainDrafter) and drafter is not self.drafter:
+            return self.pinned(_stateless(decode), replicated=(0, 1))
+        return self.pinned(_with_slots(_decode_adapter(decode), drafter), replicated=(0, 1))
+
+    def _jit(self, fn, key: tuple):
+        """`fn` jitted for one bucket, named after it and this runner's configuration
+        ("decode_3_8_512_1f2e3d4c"): XLA:CPU resolves a stored executable's functions by the
+        program's name, and two loaded programs of one name ran each other's fusions ("Function
+        ... not found"). Caches and store are donated."""
+
+        def program(*args):
+            return fn(*args)
+
+        tag = hashlib.sha256(repr(self.aot_parts()).encode()).hexdigest()[:8]
+        program.__name__ = program.__qualname__ = "_".join(map(str, key + (tag,)))
+        return jax.jit(program, donate_argnums=(2, 4))
+
+    # ---- mesh --------------------------------------------------------------------
+
+    def _pad_for_mesh(self, params, cfg: ModelConfig, what: str):
+        """Zero-pad heads / MLP columns so the mesh's TP size divides them (exact; `models.padding`).
+
+        Reported on stderr at start-up, since padding costs memory and FLOPs."""
+        from jaxspec.models.padding import padded_config, pad_params
+
+        if self.mesh is None:
+            return params, cfg, None
+        padded, info = padded_config(cfg, self.mesh.shape["model"])
+        if not info.none:
+            if params is not None and "head" in params:
+                raise shd.MeshError(f"{what}: padding heads for tensor-parallel size {info.tp} needs the loaded "
+                                    "(Hugging Face) params layout, not runtime params (prepare_params)")
+            params = pad_params(params, cfg, padded) if params is not None else None
+            if self.progress:
+                print(f"jaxspec: {info.summary(what)}", file=sys.stderr)
+        shd.validate_for_model(self.mesh, padded, what)
+        return params, padded, info
+
+    def pinned(self, fn, replicated: tuple[int, ...] = (), static: tuple[int, ...] = ()):
+        """`fn` with its output state pinned to the mesh layout (identity without a mesh).
+
+        With split pages `fn` also runs per data shard; `replicated` / `static` name
+        its params and Python-value positional args (`mesh.per_data_shard`)."""
+        if self.mesh is None:
+            return fn
+        if self.split_pages:
+            fn = shd.per_data_shard(fn, self.mesh, replicated, static)
+        return lambda *args: shd.constrain_state(fn(*args), self.mesh, self.split_pages)
+
+    def mesh_context(self):
+        """Trace/lower jitted code under this, so kernels run per shard on the mesh."""
+        return shd.mesh_context(self.mesh)
+
+    # ---- buckets -----------------------------------------------------------------
+
+    @property
+    def max_pages(self) -> int:
+        return -(-self.context_buckets[-1] // self.page_size)
+
+    def context_bucket(self, num_tokens: int) -> int:
+        return bucket_for(num_tokens, self.context_buckets, "context")
+
+    def place(self, shards: Sequence[int], buckets: Sequence[int]) -> list[int | None]:
+        """Split pages: the batch layout for items pinned to `shards` (one per item): a list as
+        long as the smallest bucket that gives every shard room, holding each batch position's
+        item index, or None (a padding row). Shard d's items fill positions d*(b/data) on, in order.
+        One pool: the items in order (the bucket pads them)."""
+        if not self.split_pages:
+            return list(range(len(shards)))
+        n, counts = self.num_shards, [0] * self.num_shards
+        for d in shards:
+            counts[d] += 1
+        b = next((x for x in sorted(buckets) if x // n >= max(counts)), None)
+        if b is None:
+            raise ValueError(f"{max(counts)} rows on one data shard exceed the largest bucket {max(buckets)} / {n}")
+        out, used = [None] * b, [0] * n
+        for i, d in enumerate(shards):
+            out[d * (b // n) + used[d]] = i
+            used[d] += 1
+        return out
+
+    def all_keys(self) -> list[tuple]:
+        keys = [("prefill", b, c) for b in self.prefill_batches for c in self.chunk_buckets]
+        keys += [("decode", k, b, ctx) for k in self.candidates for b in self.batch_buckets
+                 for ctx in self.context_buckets]
+        return keys
+
+    # ---- compilation -------------------------------------------------------------
+
+    def aot_parts(self) -> tuple:
+        """What shapes these programs besides the source and the inputs (`aot` keys)."""
+        return (repr(self.cfg), repr(self.ecfg), repr(self.plans), repr(self.drafters),
+                aot.code_of(self.drafter), self.native_kernels, repr(self.mesh), self.split_pages,
+                self.steps_per_call, self.max_pages, self.num_slots)
+
+    def before_load(self) -> None:
+        """Register the native kernels' FFI targets a stored executable calls (a trace would)."""
+        if self.native_kernels:
+            from jaxspec.native.build import ensure_registered
+
+            ensure_registered()
+
+    def _new_store(self):
+        """(draft cache, per-row drafter state [num_slots + 1, ...]); the last row is the padding rows' spare.
+        Split pages: [data * (num_slots + 1), ...], split over "data" (each shard its own rows and spare)."""
+        rows = row_state(self.drafter.init_state(self.draft_cache, (self.num_slots + 1) * self.num_shards))
+        return (self.draft_cache, shd.shard_batch(rows, self.mesh))
+
+    def accept_width(self, ctx: int) -> int:
+        """Columns of accept_lens: a call's iterations (each commits at least one token)."""
+        return self.steps_per_call or ctx
+
+    def _state_struct(self, b: int, ctx: int) -> SpecState:
+        """The decode call's state without the drafter's (that comes from the store)."""
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        return spec_state(
+            cache=self.cache, draft=None, page_table=i32(b, -(-ctx // self.page_size)), history=i32(b, ctx),
+            hist_len=i32(b), prompt_lens=i32(b), done=jax.ShapeDtypeStruct((b,), jnp.bool_),
+            sampling=DeviceSampling.abstract(b), accept_width=self.accept_width(ctx), corpus=self.corpus,
+            zeros=jax.ShapeDtypeStruct,
+        )
+
+    def compile(self, keys: Sequence[tuple], progress: bool = False) -> None:
+        from tqdm.auto import tqdm
+
+        todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
+        for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
+            fn, args = self._trace_args(key)
+            self._compiled[key] = aot.compile_cached(("runner", key, self.aot_parts(), aot.abstract_signature(args)),
+                                                     lambda fn=fn, args=args: self._lower(fn, args), self.before_load)
+            self.num_compiles += 1
+
+    def _lower(self, fn, args):
+        with self.mesh_context():  # shard_map'd kernels lower against the mesh in context
+            return fn.trace(*args).lower()
+
+    def trace(self, key: tuple) -> jax.stages.Traced:
+        """The traced executable of a key of `all_keys`; `.lower(lowering_platforms=...)`
+        lowers it for another platform (`jaxspec.bench.lower`)."""
+        fn, args = self._trace_args(key)
+        with self.mesh_context():
+            return fn.trace(*args)
+
+    def _trace_args(self, key: tuple) -> tuple:
+        """(the jitted function, its abstract arguments) of a bucket key."""
+        with self.mesh_context():
+            if key[0] == "prefill":
+                _, b, c = key
+                i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+                batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
+                                            DeviceSampling.abstract(b)), self.mesh, self.split_pages)
+                return self._jit(self._prefill, key), (self.params, self.draft_params, self.store, batch[0],
+                                                       self.cache, *batch[1:])
+            _, k, b, ctx = key
+            slots, state = shd.abstract_state((jax.ShapeDtypeStruct((b,), jnp.int32), self._state_struct(b, ctx)),
+                                              self.mesh, self.split_pages)
+            return self._jit(self._decode[k], key), (self.params, self.draft_params, self.store, slots, state)
+
+    def calibrate(self) -> None:
+        """Time a decode call per (k, batch bucket, context bucket) on dummy rows: the
+        adaptive policy's prior for draft lengths it has not tried yet in a bucket."""
+        for k in self.candidates:
+            for b in self.batch_buckets:
+                for ctx in self.context_buckets:
+                    rows = [RowInput(tokens=[1] * 8, prompt_len=8, max_new=10**6,
+                                     page_row=np.zeros(self.max_pages, np.int32), slot=self.num_slots, temperature=0.0,
+                                     top_k=0, top_p=1.0, seed=0, stop_ids=()) for _ in range(b)]
+                    times = []
+                    for _ in range(2):  # the first call warms up
+                        t0 = time.perf_counter()
+                        _, iters = self.decode(k, rows, ctx)
+                        times.append((time.perf_counter() - t0) / max(iters, 1))
+                    self.decode_seconds[(k, (b, ctx))] = times[-1]
+
+    def reset_caches(self) -> None:
+        """Fresh zeroed caches after a failed call (whose outputs may be poisoned)."""
+        self.cache = self._zeros("cache")
+        if self.draft_cache is not None:
+            self.draft_cache = self._zeros("draft_cache")
+        self.store = self._new_store()
+
+    def _restore(self) -> None:
+        """After a failed call the donated buffers are gone: fresh caches and store (their
+        contents are dead anyway: the caller frees the call's pages)."""
+        lost_store = any(x.is_deleted() for x in jax.tree.leaves(self.store))
+        if self.cache.k.is_deleted():
+            self.cache = self._zeros("cache")
+        if self.draft_cache is not None and self.draft_cache.k.is_deleted():
+            self.draft_cache = self._zeros("draft_cache")
+        if lost_store:
+            self.store = self._new_store()
+
+    # ---- calls -------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: Sequence[int], max_new: int, stop_ids: Sequence[int],
+                      temperature: float) -> None:
+        """RequestError naming what makes this request impossible to serve here."""
+        from jaxspec.engine.device_sampling import MAX_STOP_IDS
+        from jaxspec.speculative.algorithm import check_request_sampling
+
+        if not prompt_ids:
+            raise RequestError("empty prompt: at least one prompt token is required")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if max_new < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new}")
+        if len(prompt_ids) + max_new + self.reserve > self.max_context:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new} (+{self.reserve} "
+                               f"draft-tree slots) exceeds the context of {self.max_context} tokens")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
+        try:
+            check_request_sampling(self.base_plan.verify, temperature)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    # Each call is split in two: the host inputs of a bucket (plain numpy, so a
+    # multi-host leader can broadcast them) and running that bucket on them
+    # (what every process does, `jaxspec.serve.multihost`). A None row or chunk is
+    # padding (split pages: the caller lays rows out by data shard, `place`).
+
+    def _check_shard(self, i: int, b: int, row: RowInput) -> None:
+        if self.split_pages and row.shard is not None and row.shard != i // (b // self.num_shards):
+            raise ValueError(f"batch row {i} of {b} runs on data shard {i // (b // self.num_shards)}, but its "
+                             f"sequence is pinned to shard {row.shard}")
+
+    def prefill_inputs(self, chunks: Sequence[tuple[RowInput, int, int]]) -> tuple[tuple, dict]:
+        b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
+        c = bucket_for(max(ch[2] for ch in chunks if ch is not None), self.chunk_buckets, "prefill chunk")
+        tokens = np.zeros((b, c), np.int32)
+        q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        table = np.zeros((b, self.max_pages), np.int32)
+        slots = np.full((b,), self.num_slots, np.int32)
+        for i, chunk in enumerate(chunks):
+            if chunk is None:
+                continue
+            row, start, n = chunk
+            self._check_shard(i, b, row)
+            tokens[i, :n] = row.tokens[start: start + n]
+            q_start[i], lens[i], slots[i] = start, n, row.slot
+            table[i, : len(row.page_row)] = row.page_row
+        inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
+                      sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b))
+        return ("prefill", b, c), inputs
+
+    def run_prefill(self, key: tuple, inputs: dict) -> np.ndarray:
+        """The token sampled at each row's chunk end [b]."""
+        self.compile([key])
+        try:
+            x = shd.shard_batch(inputs, self.mesh)
+            self.store, self.cache, first = self._compiled[key](
+                self.params, self.draft_params, self.store, x["slots"], self.cache, x["tokens"], x["q_start"],
+                x["lens"], x["table"], x["sampling"])
+            self.draft_cache = self.store[0]
+            return np.asarray(shd.to_host(first))
+        finally:
+            self._restore()
+
+    def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
+        """chunks: (row, q_start, chunk_len) each, or None (padding); returns the token sampled at each
+        chunk's end (a padding row's is meaningless)."""
+        key, inputs = self.prefill_inputs(chunks)
+        return self.run_prefill(key, inputs)[: len(chunks)].tolist()
+
+    def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
+        b = bucket_for(len(rows), self.batch_buckets, "batch size")
+        maxp = -(-ctx // self.page_size)
+        history = np.zeros((b, ctx), np.int32)
+        hist_len, prompt_lens = np.ones((b,), np.int32), np.zeros((b,), np.int32)
+        slots = np.full((b,), self.num_slots, np.int32)
+        table = np.zeros((b, maxp), np.int32)
+        done = np.ones((b,), bool)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            self._check_shard(i, b, r)
+            n = len(r.tokens)
+            history[i, :n] = r.tokens
+            hist_len[i], prompt_lens[i], slots[i] = n, r.prompt_len, r.slot
+            m = min(len(r.page_row), maxp)
+            table[i, :m] = r.page_row[:m]
+            done[i] = False
+        # Host arrays only: a jnp.zeros here would compile a fill op per new shape while serving.
+        inputs = dict(table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
+                      slots=slots, sampling=DeviceSampling.pack(rows, b))
+        return ("decode", k, b, ctx), inputs
+
+    def _state(self, x: dict, ctx: int) -> SpecState:
+        """The loop carry of a call from its (device) inputs, drafter state aside."""
+        return spec_state(
+            cache=self.cache, draft=None, page_table=x["table"], history=x["history"], hist_len=x["hist_len"],
+            prompt_lens=x["prompt_lens"], done=x["done"], sampling=x["sampling"], accept_width=self.accept_width(ctx),
+            corpus=self.corpus, zeros=lambda shape, dtype: shd.shard_batch(np.zeros(shape, dtype), self.mesh),
+        )
+
+    def run_decode(self, key: tuple, inputs: dict) -> tuple[np.ndarray, ...]:
+        """(history, hist_len, done, accept_lens, num_verify) after the call, on the host."""
+        state = self._state(shd.shard_batch(inputs, self.mesh), key[-1])
+        self.compile([key])
+        try:
+            self.store, state = self._compiled[key](self.params, self.draft_params, self.store,
+                                                    shd.shard_batch(inputs["slots"], self.mesh), state)
+            self.cache, self.draft_cache = state.cache, self.store[0]
+            return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify))
+        finally:
+            self._restore()
+
+    def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
+        """Up to steps_per_call iterations with draft length k; returns ([RowOutput | None per row], iterations
+        run); a None row (padding) gets None."""
+        key, inputs = self.decode_inputs(k, rows, ctx)
+        return self.decode_outputs(rows, self.run_decode(key, inputs))
+
+    @staticmethod
+    def decode_outputs(rows: Sequence[RowInput], result: tuple[np.ndarray, ...]):
+        hist, new_len, done_out, acc, nv = result
+        outs = []
+        for i, r in enumerate(rows):
+            if r is None:
+                outs.append(None)
+                continue
+            n = len(r.tokens)
+            outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
+                                  accept_lens=acc[i, : nv[i]].tolist()))
+        return outs, int(nv[: len(rows)].max(initial=0))
