@@ -324,9 +324,7 @@ class LLM:
                 raise SamplingError("stop", f"{where}: stop strings need a tokenizer, and this model has none")
             samples = list(enumerate(sample_seeds(sp)))
             for group in [samples] if sp.greedy else [[s] for s in samples]:
-                req = Request(p, max_new_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                              top_k=sp.top_k, seed=group[0][1],
-                              stop_token_ids=() if sp.ignore_eos else self.eos_token_ids)
+                req = Request(p, sp, seed=group[0][1], stop_token_ids=() if sp.ignore_eos else self.eos_token_ids)
                 try:  # here, so the error names the prompt
                     self.engine.validate(req)
                 except RequestError as e:

@@ -213,11 +213,6 @@ def constrain_state(tree, mesh: Mesh | None, split_pages: bool = False):
     return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh, split_pages))
 
 
-def constrain_cache(cache: KVCache, mesh: Mesh | None, split_pages: bool = False) -> KVCache:
-    """Inside jit: return a donated cache with the sharding it came in with."""
-    return constrain_state(cache, mesh, split_pages)
-
-
 def _data_specs(tree, data: int):
     """shard_map specs over "data" alone: KVCache pages split, batch-leading arrays split, the rest whole."""
     def one(x):

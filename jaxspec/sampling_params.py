@@ -5,7 +5,8 @@ bad value fails before anything is loaded or compiled. The rules themselves
 (`BOUNDS`, `check_value`, `check_stop`) are shared by the front ends that read
 values from elsewhere: the CLI's JSONL lines and `[sampling]` config section,
 the server's request bodies (its `GenParams` is a `SamplingParams` plus the
-streaming fields) and the engine's `Request`. Every message reads
+streaming fields). The engine's `Request`, the server's sequences and the runner's
+rows hold the SamplingParams itself. Every message reads
 "<field> must be <what>, got <value>".
 
 No JAX here: the server's request parsing and the config import it cheaply.
@@ -53,8 +54,9 @@ BOUNDS: dict[str, Bound] = {
     "n": Bound(True, lambda v: v >= 1, "an integer", ">= 1"),
 }
 
-# The engine's `Request`, the [sampling] config section and the CLI's JSONL lines name these
-# fields the older way: their name -> the SamplingParams field whose rule they follow.
+# The user-facing CLI names (the [sampling] config section, --max-new-tokens, JSONL lines), kept
+# for their users: their name -> the SamplingParams field whose rule they follow. Inside, from the
+# engine's `Request` to the device arrays, there is only the SamplingParams (max_tokens).
 ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
                  "top_k": "top_k", "seed": "seed"}
 

@@ -78,12 +78,13 @@ def count_compiles(fn) -> int:
 def engines_report(model) -> dict:
     """Greedy outputs per mesh and mode, plus layouts and recompile counts."""
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.mesh import make_mesh
 
     modes = {"plain": None, "ngram": {"algorithm": "ngram", "topk": 2, "num_steps": 3, "num_draft_tokens": 8}}
-    reqs = [Request(p, max_new_tokens=NEW) for p in PROMPTS]
+    reqs = [Request(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS]
     # Same (batch 4, prompt <= 16, context <= 32) bucket, other contents.
-    again = [Request(list(reversed(p)), max_new_tokens=NEW - 3) for p in PROMPTS]
+    again = [Request(list(reversed(p)), SamplingParams(max_tokens=NEW - 3)) for p in PROMPTS]
     report = {}
     for mode, spec in modes.items():
         single = make_engine(model, None, spec)
@@ -112,13 +113,13 @@ def engines_report(model) -> dict:
                 # Stacked [L, ...] layers under lax.scan: the GPU/TPU layout.
                 scan = make_engine(model, make_mesh(shape), spec, layer_loop="scan")
                 rows["2x4_scan"] = [r.output_ids for r in scan.generate(reqs)]
-                rows["2x4_scan_wq"] = str(scan.params["layers"]["wq"].sharding.spec)
+                rows["2x4_scan_wq"] = str(scan.runner.params["layers"]["wq"].sharding.spec)
             if shape == "4x2" and mode == "plain":
                 hlo = engine.runner._compiled[next(k for k in engine.runner._compiled if k[0] == "decode")].as_text()
                 rows["4x2_decode_all_reduce"] = "all-reduce" in hlo
                 # The listener does see compiles when a new bucket is needed (not vacuous).
                 rows["4x2_compiles_new_bucket"] = count_compiles(
-                    lambda: engine.generate([Request(PROMPTS[0], max_new_tokens=40)]))
+                    lambda: engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=40))]))
         report[mode] = rows
     return report
 
@@ -127,6 +128,7 @@ def standalone_report(model) -> dict:
     """The standalone drafter's own paged cache splits over "data" too: 4x2 equals one device."""
     from jaxspec.config import EngineSection, SpecSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.mesh import make_mesh
     from jaxspec.speculative.drafters.standalone import truncate_layers
 
@@ -137,7 +139,8 @@ def standalone_report(model) -> dict:
     for shape in ("single", "4x2"):
         engine = Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft,
                         mesh=None if shape == "single" else make_mesh(shape))
-        out[shape] = [r.output_ids for r in engine.generate([Request(p, max_new_tokens=6) for p in PROMPTS])]
+        out[shape] = [r.output_ids for r in engine.generate([Request(p, SamplingParams(max_tokens=6))
+                                                             for p in PROMPTS])]
         out[f"{shape}_draft_cache"] = str(getattr(engine.runner.draft_cache.k.sharding, "spec", None))
     return out
 
@@ -240,7 +243,8 @@ def serve_report(model_dir: Path) -> dict:
     """The server's scheduler and runner (continuous batching, n-gram speculation) under each mesh."""
     from jaxspec.config import apply_overrides, load_config
     from jaxspec.mesh import make_mesh
-    from jaxspec.serve.scheduler import Seq, SeqParams
+    from jaxspec.sampling_params import SamplingParams
+    from jaxspec.serve.scheduler import Seq
     from jaxspec.serve.server import build_server
 
     cfg = apply_overrides(load_config(None), {
@@ -255,7 +259,7 @@ def serve_report(model_dir: Path) -> dict:
         sched, got = server.scheduler, {}
         seqs = []
         for i, p in enumerate(PROMPTS * 2):  # 8 rows: a full batch, joining over two steps
-            seqs.append(Seq(p, SeqParams(max_new_tokens=NEW + i), lambda e, i=i: got.setdefault(i, []).extend(
+            seqs.append(Seq(p, SamplingParams(max_tokens=NEW + i), lambda e, i=i: got.setdefault(i, []).extend(
                 e.token_ids)))
             sched.submit(seqs[-1])
             if i == 3:
@@ -274,7 +278,8 @@ def embedded_serve_report() -> dict:
     from jaxspec.config import apply_overrides, load_config
     from jaxspec.models.loading import load_model
     from jaxspec.mesh import make_mesh
-    from jaxspec.serve.scheduler import Seq, SeqParams
+    from jaxspec.sampling_params import SamplingParams
+    from jaxspec.serve.scheduler import Seq
     from jaxspec.serve.server import build_server
 
     cfg = apply_overrides(load_config(None), {
@@ -289,7 +294,7 @@ def embedded_serve_report() -> dict:
         server = build_server(cfg, mesh=None if shape == "single" else make_mesh(shape), progress=False, model=model)
         got, seqs = {}, []
         for i, p in enumerate(prompts):
-            seqs.append(Seq(p, SeqParams(max_new_tokens=5), lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
+            seqs.append(Seq(p, SamplingParams(max_tokens=5), lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
             server.scheduler.submit(seqs[-1])
         while any(s.finish_reason is None for s in seqs):
             server.scheduler.step()

@@ -46,7 +46,8 @@ CASES = {
 def run_case(server, new) -> dict:
     import jax
 
-    from jaxspec.serve.scheduler import Seq, SeqParams, Status
+    from jaxspec.sampling_params import SamplingParams
+    from jaxspec.serve.scheduler import Seq, Status
 
     sched, got, seqs, shards = server.scheduler, {}, [], {}
     pending = list(range(len(PROMPTS)))
@@ -55,8 +56,8 @@ def run_case(server, new) -> dict:
         for _ in range(waves.pop(0) if waves else len(pending)):
             if pending:
                 i = pending.pop(0)
-                assert sched.check(len(PROMPTS[i]), SeqParams(max_new_tokens=new[i])) is None
-                seqs.append(Seq(list(PROMPTS[i]), SeqParams(max_new_tokens=new[i]),
+                assert sched.check(len(PROMPTS[i]), SamplingParams(max_tokens=new[i])) is None
+                seqs.append(Seq(list(PROMPTS[i]), SamplingParams(max_tokens=new[i]),
                                 lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
                 sched.submit(seqs[-1])
         if not pending and all(s.status == Status.FINISHED for s in seqs):

@@ -10,6 +10,7 @@ import pytest
 from jaxspec import aot
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 
 ECFG = EngineSection(max_batch_size=2, batch_buckets=(2,), max_context=64, length_buckets=(16, 64), page_size=4)
 
@@ -31,7 +32,7 @@ def store(tmp_path, monkeypatch):
 
 def reqs():
     rng = np.random.default_rng(0)
-    return [Request([int(t) for t in rng.integers(3, 200, 7)], max_new_tokens=10, temperature=t, seed=5)
+    return [Request([int(t) for t in rng.integers(3, 200, 7)], SamplingParams(max_tokens=10, temperature=t), seed=5)
             for t in (0.0, 1.0)]
 
 

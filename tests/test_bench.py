@@ -70,6 +70,7 @@ def test_replay_equals_the_engines_accept_lengths(tiny_dirs, shape):
     """The offline replay predicts exactly what the on-device loop commits per step."""
     from jaxspec.config import EngineSection, SpecSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.models.loading import load_model
 
     model = load_model(str(tiny_dirs["llama"][0]), progress=False)
@@ -81,8 +82,8 @@ def test_replay_equals_the_engines_accept_lengths(tiny_dirs, shape):
         ngram_draft_tokens_by_match=shape.draft_tokens_by_match))
     new, drafted = 40, 0
     for prompt in ([5, 17, 33, 9, 100, 42, 7, 5, 17], [11, 12, 13, 11, 12], [99]):
-        target = plain.generate([Request(prompt, max_new_tokens=new + 16)])[0].output_ids
-        res = spec.generate([Request(prompt, max_new_tokens=new)])[0]
+        target = plain.generate([Request(prompt, SamplingParams(max_tokens=new + 16))])[0].output_ids
+        res = spec.generate([Request(prompt, SamplingParams(max_tokens=new))])[0]
         committed, nodes = replay_accept_lengths(prompt, target, shape, new)
         assert res.output_ids == target[:new]
         assert committed == res.accept_lengths

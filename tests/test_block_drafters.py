@@ -26,6 +26,7 @@ import pytest
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.heads.block import block_logits, output_offset
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
@@ -203,7 +204,7 @@ def test_propose_drafts_the_reference_chain(world, alg):
 
 # ---- 3. greedy speculative == plain greedy ----------------------------------------------------------
 
-REQS = [Request(prompt_ids=[5, 9, 17, 33, 2, 7, 11, 40][: 2 + 2 * i], max_new_tokens=20) for i in range(4)]
+REQS = [Request([5, 9, 17, 33, 2, 7, 11, 40][: 2 + 2 * i], SamplingParams(max_tokens=20)) for i in range(4)]
 
 
 def ecfg(page_size, batch):

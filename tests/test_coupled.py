@@ -30,6 +30,7 @@ import pytest
 
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters.load import load_draft
 from tests.heads_fixtures import block_heads_v8, feature_heads_v8
 from tests.test_loop_distribution import PROMPT
@@ -78,7 +79,7 @@ def engine(model, spec: SpecSection | None, batch: int = BATCH) -> Engine:
 
 
 def requests(sampling: dict, seeds) -> list[Request]:
-    return [Request(list(PROMPT), max_new_tokens=NEW, seed=s, **sampling) for s in seeds]
+    return [Request(list(PROMPT), SamplingParams(max_tokens=NEW, **sampling), seed=s) for s in seeds]
 
 
 def run(e: Engine, reqs: list[Request]) -> tuple[list[list[int]], float]:
@@ -136,7 +137,8 @@ def test_reproducible_across_batch_draft_length_and_choice(tiny, heads, plain): 
         if name == "dspark":
             assert mean > 1.0, mean  # alone, the planner lets drafts through (at batch 16 it cut them all)
         mixed = requests(SAMPLINGS["T1"], range(BATCH))
-        mixed = [r if i % 3 == 0 else dataclasses.replace(r, temperature=0.0) for i, r in enumerate(mixed)]
+        mixed = [r if i % 3 == 0 else dataclasses.replace(r, params=r.params.replace(temperature=0.0))
+                 for i, r in enumerate(mixed)]
         got, _ = run(wide, mixed)
         assert [g for i, g in enumerate(got) if i % 3 == 0] == [ref[i] for i in range(0, BATCH, 3)]
         # 2. A shorter draft (k = 1): the same tokens.

@@ -12,6 +12,7 @@ import pytest
 
 from jaxspec.config import EngineSection
 from jaxspec.engine import Engine, Request, RequestError
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.loading import load_model
 from tests.reference import assert_greedy_equal, chi_square_pvalue, compile_events, hf_first_two_marginals, hf_greedy
 
@@ -31,7 +32,7 @@ def test_greedy_matches_hf_batched_ragged(tiny_dirs, kind, page_size):
     path, hf = tiny_dirs[kind]
     engine = make_engine(path, page_size=page_size)
     n = 24
-    results = engine.generate([Request(p, max_new_tokens=n) for p in PROMPTS])
+    results = engine.generate([Request(p, SamplingParams(max_tokens=n)) for p in PROMPTS])
     for prompt, res in zip(PROMPTS, results):
         assert_greedy_equal(hf, prompt, res.output_ids, hf_greedy(hf, prompt, n))
         assert res.finish_reason == "length"
@@ -41,7 +42,8 @@ def test_greedy_matches_hf_batched_ragged(tiny_dirs, kind, page_size):
 def test_batched_equals_batch_one(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     engine = make_engine(path)
-    reqs = [Request(p, max_new_tokens=16, temperature=0.9, top_p=0.9, seed=i) for i, p in enumerate(PROMPTS)]
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9)
+    reqs = [Request(p, sp, seed=i) for i, p in enumerate(PROMPTS)]
     batched = [r.output_ids for r in engine.generate(reqs)]
     single = [engine.generate([r])[0].output_ids for r in reqs]
     assert batched == single
@@ -50,10 +52,11 @@ def test_batched_equals_batch_one(tiny_dirs):
 def test_seeded_sampling_is_batch_independent_and_reproducible(tiny_dirs):
     path, _ = tiny_dirs["qwen2"]
     engine = make_engine(path)
-    req = Request(PROMPTS[0], max_new_tokens=20, temperature=1.5, seed=1234)
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.5), seed=1234)
     alone = engine.generate([req])[0].output_ids
     assert engine.generate([req])[0].output_ids == alone, "the same seed must reproduce exactly"
-    with_others = engine.generate([Request(PROMPTS[1], max_new_tokens=5, temperature=1.0, seed=9), req])[1].output_ids
+    other = Request(PROMPTS[1], SamplingParams(max_tokens=5, temperature=1.0), seed=9)
+    with_others = engine.generate([other, req])[1].output_ids
     assert alone == with_others
 
 
@@ -68,7 +71,7 @@ def test_sampled_tokens_follow_the_hf_model_distribution(tiny_dirs):
     prompt, temp, n, batch = PROMPTS[0], 0.7, 4096, 64
     out = []
     for start in range(0, n, batch):
-        res = engine.generate([Request(prompt, max_new_tokens=2, temperature=temp, seed=s)
+        res = engine.generate([Request(prompt, SamplingParams(max_tokens=2, temperature=temp), seed=s)
                                for s in range(start, start + batch)])
         out += [r.output_ids for r in res]
     out = np.asarray(out)
@@ -91,8 +94,8 @@ def test_stop_token_ends_sequence_and_is_last(tiny_dirs):
     ref = hf_greedy(hf, PROMPTS[0], 20)
     stop = ref[5]
     first = ref.index(stop)
-    res = engine.generate([Request(PROMPTS[0], max_new_tokens=20, stop_token_ids=(stop,)),
-                           Request(PROMPTS[1], max_new_tokens=20)])
+    res = engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=20), stop_token_ids=(stop,)),
+                           Request(PROMPTS[1], SamplingParams(max_tokens=20))])
     assert res[0].output_ids == ref[: first + 1]
     assert res[0].finish_reason == "stop"
     assert len(res[1].output_ids) == 20
@@ -102,12 +105,12 @@ def test_second_request_of_compiled_bucket_does_not_compile(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     engine = make_engine(path)
     # Bucket (batch 1, prompt <= 16, context <= 32) for both requests.
-    engine.generate([Request(PROMPTS[0], max_new_tokens=20)])
+    engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=20))])
     # Same bucket, different contents and sampling parameters.
-    assert compile_events(lambda: engine.generate([Request(PROMPTS[2], max_new_tokens=10, temperature=0.7,
-                                                           seed=3)])) == []
+    req = Request(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0.7), seed=3)
+    assert compile_events(lambda: engine.generate([req])) == []
     # And the listener does see compilation when a new bucket is needed.
-    compiles = compile_events(lambda: engine.generate([Request(PROMPTS[2], max_new_tokens=40)]))
+    compiles = compile_events(lambda: engine.generate([Request(PROMPTS[2], SamplingParams(max_tokens=40))]))
     assert compiles, "the compile listener saw nothing: the test would be vacuous"
 
 
@@ -115,14 +118,14 @@ def test_bad_requests_raise_clear_errors_and_leak_nothing(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     engine = make_engine(path)
     with pytest.raises(RequestError, match="exceeds the context"):
-        engine.generate([Request(list(range(1, 100)), max_new_tokens=64)])
+        engine.generate([Request(list(range(1, 100)), SamplingParams(max_tokens=64))])
     with pytest.raises(RequestError, match="outside the vocabulary"):
-        engine.generate([Request([1, 300], max_new_tokens=4)])
+        engine.generate([Request([1, 300], SamplingParams(max_tokens=4))])
     with pytest.raises(RequestError, match="empty prompt"):
-        engine.generate([Request([], max_new_tokens=4)])
+        engine.generate([Request([], SamplingParams(max_tokens=4))])
     assert engine.runner.allocator.num_used == 0
     # The engine still serves after the errors.
-    assert len(engine.generate([Request(PROMPTS[1], max_new_tokens=3)])[0].output_ids) == 3
+    assert len(engine.generate([Request(PROMPTS[1], SamplingParams(max_tokens=3))])[0].output_ids) == 3
 
 
 def test_out_of_pages_is_a_clear_error_and_frees_partial_allocations(tiny_dirs):
@@ -131,15 +134,16 @@ def test_out_of_pages_is_a_clear_error_and_frees_partial_allocations(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     engine = make_engine(path, page_size=4, num_pages=9)  # 8 usable pages = 32 slots
     with pytest.raises(OutOfPagesError, match="out of pages"):
-        engine.generate([Request(PROMPTS[0], max_new_tokens=20), Request(PROMPTS[2], max_new_tokens=20)])
+        engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=20)),
+                         Request(PROMPTS[2], SamplingParams(max_tokens=20))])
     assert engine.runner.allocator.num_used == 0
-    np.testing.assert_equal(len(engine.generate([Request(PROMPTS[1], max_new_tokens=8)])[0].output_ids), 8)
+    np.testing.assert_equal(len(engine.generate([Request(PROMPTS[1], SamplingParams(max_tokens=8))])[0].output_ids), 8)
 
 
 def test_failed_device_call_frees_pages_and_engine_recovers(tiny_dirs):
     path, hf = tiny_dirs["llama"]
     engine = make_engine(path)
-    req = Request(PROMPTS[0], max_new_tokens=6)
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=6))
     first = engine.generate([req])[0].output_ids
     key = next(k for k in engine.runner._compiled if k[0] == "decode")
     real = engine.runner._compiled[key]
@@ -183,4 +187,4 @@ def test_bfloat16_weights_and_cache_track_float32(tiny_dirs):
     engine = Engine(bf.params, bf.config, EngineSection(max_batch_size=1, max_context=64, length_buckets=(16, 64)),
                     progress=False)
     assert engine.runner.cache.k.dtype == jnp.bfloat16
-    assert len(engine.generate([Request(PROMPTS[0], max_new_tokens=8)])[0].output_ids) == 8
+    assert len(engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=8))])[0].output_ids) == 8

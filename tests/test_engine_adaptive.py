@@ -12,6 +12,7 @@ import pytest
 
 from jaxspec.config import ConfigValueError, EngineSection, SpecSection, load_config
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.engine.adaptive import EngineAdaptive
 from jaxspec.models.loading import load_model
 
@@ -66,7 +67,7 @@ def test_every_bucket_emits_plain_decodings_tokens(tiny, monkeypatch, sampled):
     adaptive.adaptive = EngineAdaptive(adaptive.spec_plan.max_depth)
     _force(adaptive, monkeypatch, plain_buckets={4})
     kw = dict(temperature=0.9, top_p=0.9) if sampled else {}
-    reqs = [Request(p * 3, max_new_tokens=20, seed=7 + i, **kw) for i, p in enumerate(PROMPTS)]
+    reqs = [Request(p * 3, SamplingParams(max_tokens=20, **kw), seed=7 + i) for i, p in enumerate(PROMPTS)]
     want = [r.output_ids for r in plain.generate(reqs)]
     batched = adaptive.generate(reqs)  # batch bucket 4: plain
     single = [adaptive.generate([r])[0] for r in reqs]  # batch bucket 1: speculation

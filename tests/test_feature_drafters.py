@@ -27,6 +27,7 @@ import pytest
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request, RequestError
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, project_features
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
@@ -190,7 +191,7 @@ CASES = [
     ("medusa", 1, 3, 4), ("medusa", 2, 3, 6), ("mlp_speculator", 1, 3, 4),
     ("mtp_deepseek", 1, 3, 4), ("mtp_mimo", 2, 2, 5),
 ]
-REQS = [Request(prompt_ids=[5, 9, 17, 33, 2, 7, 11][: 2 + 2 * i], max_new_tokens=18) for i in range(3)]
+REQS = [Request([5, 9, 17, 33, 2, 7, 11][: 2 + 2 * i], SamplingParams(max_tokens=18)) for i in range(3)]
 
 
 def ecfg(page_size, batch):

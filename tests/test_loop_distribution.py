@@ -19,6 +19,7 @@ import pytest
 
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 
 VOCAB = 8
 PROMPT = [3, 5, 3, 5, 3, 6, 3]  # repeats, so the n-gram drafter proposes (and is sometimes right)
@@ -117,7 +118,8 @@ def engine_for(model, spec: SpecSection | None, batch: int = BATCH) -> Engine:
 
 def first_three(engine: Engine, temperature: float, top_p: float, seeds=range(SEEDS), top_k: int = 0):
     """(tokens [len(seeds), 3], accept lengths of every verify step, flattened)."""
-    reqs = [Request(list(PROMPT), max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=s)
+    sp = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k)
+    reqs = [Request(list(PROMPT), sp, seed=s)
             for s in seeds]
     out = engine.generate(reqs)
     toks = np.array([r.output_ids for r in out])

@@ -21,6 +21,7 @@ import pytest
 
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request, RequestError
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.loading import load_model
 from jaxspec.speculative import algorithm as A
 from jaxspec.speculative.protocol import DrafterBase
@@ -41,7 +42,7 @@ def sampled_requests(n: int, **kw) -> list[Request]:
     reqs = []
     for i in range(n):
         prompt = [int(t) for t in rng.integers(3, 250, size=int(rng.integers(3, 9)))]
-        reqs.append(Request(prompt, max_new_tokens=12, seed=1000 + i, **kw))
+        reqs.append(Request(prompt, SamplingParams(max_tokens=12, **kw), seed=1000 + i))
     return reqs
 
 
@@ -65,10 +66,9 @@ def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
     assert type(runner.drafters[0]).__name__ == "NgramDrafter"
     rows = []
     for i, r in enumerate(reqs):
-        runner.allocator.allocate(i, len(r.prompt_ids) + r.max_new_tokens + runner.reserve)
-        rows.append(RowInput(list(r.prompt_ids), len(r.prompt_ids), r.max_new_tokens,
-                             np.asarray(runner.allocator.page_table_row(i, runner.max_pages)), i, r.temperature,
-                             r.top_k, r.top_p, r.seed, ()))
+        runner.allocator.allocate(i, len(r.prompt_ids) + r.params.max_tokens + runner.reserve)
+        rows.append(RowInput(list(r.prompt_ids), len(r.prompt_ids),
+                             np.asarray(runner.allocator.page_table_row(i, runner.max_pages)), i, r.params, r.seed))
     for row, first in zip(rows, runner.prefill([(row, 0, row.prompt_len) for row in rows])):
         row.tokens.append(first)
     live = list(rows)
@@ -81,7 +81,7 @@ def test_spec_loop_with_no_drafts_equals_plain_decoding(llama, sampling):
     got = [row.tokens[row.prompt_len:] for row in rows]
     assert got == plain
     greedy = [r.output_ids for r in Engine(model.params, model.config, ECFG, progress=False).generate(
-        [dataclasses.replace(r, temperature=0.0) for r in reqs])]
+        [dataclasses.replace(r, params=r.params.replace(temperature=0.0)) for r in reqs])]
     assert got != greedy  # the rows really were sampled
 
 
@@ -173,11 +173,12 @@ def test_default_verify_samples_sampled_requests(llama):
     engine = Engine(model.params, model.config, ECFG, progress=False, spec=SpecSection(algorithm="ngram"))
     reqs = sampled_requests(8, temperature=1.0)
     sampled = [r.output_ids for r in engine.generate(reqs)]
-    greedy = [r.output_ids for r in engine.generate([dataclasses.replace(r, temperature=0.0) for r in reqs])]
+    greedy = [r.output_ids for r in engine.generate([dataclasses.replace(r, params=r.params.replace(temperature=0.0))
+                                                     for r in reqs])]
     # Past the first token (sampled by prefill even before the fix), rows leave the greedy path.
     assert sum(s[1:] != g[1:] for s, g in zip(sampled, greedy)) >= 6
     # A mixed batch: greedy rows still decode exactly greedily.
-    mixed = [dataclasses.replace(r, temperature=0.0) if i % 2 else r for i, r in enumerate(reqs)]
+    mixed = [dataclasses.replace(r, params=r.params.replace(temperature=0.0)) if i % 2 else r for i, r in enumerate(reqs)]
     out = [r.output_ids for r in engine.generate(mixed)]
     assert all(out[i] == greedy[i] for i in range(1, 8, 2))
     assert all(out[i] == sampled[i] for i in range(0, 8, 2))  # and sampled rows are batch-invariant
@@ -190,8 +191,8 @@ def test_explicit_greedy_verify_refuses_sampled_requests(llama, tiny_dirs, tmp_p
     engine = Engine(model.params, model.config, ECFG, progress=False,
                     spec=SpecSection(algorithm="ngram", verify="greedy"))
     with pytest.raises(RequestError, match=r"spec.verify='greedy' ignores temperature.*temperature=0.8"):
-        engine.generate([Request([5, 6, 7], max_new_tokens=4, temperature=0.8)])
-    assert engine.generate([Request([5, 6, 7], max_new_tokens=4)])[0].output_ids  # greedy requests run
+        engine.generate([Request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.8))])
+    assert engine.generate([Request([5, 6, 7], SamplingParams(max_tokens=4))])[0].output_ids  # greedy requests run
     path, _ = tiny_dirs["llama"]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [5, 6, 7]}\n')
@@ -235,9 +236,9 @@ def deep_tree_run(model):
     ecfg = dataclasses.replace(ECFG, max_context=128, length_buckets=(16, 128))
     engine = Engine(model.params, model.config, ecfg, progress=False, spec=DEEP_TREE, draft=draft)
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
-    row = Request(prompt, max_new_tokens=62 - len(prompt) - engine.reserve_tokens)
-    others = [Request([int(t) for t in np.random.default_rng(i).integers(3, 250, len(prompt))],
-                      max_new_tokens=row.max_new_tokens) for i in range(3)]
+    row = Request(prompt, SamplingParams(max_tokens=62 - len(prompt) - engine.reserve_tokens))
+    others = [Request([int(t) for t in np.random.default_rng(i).integers(3, 250, len(prompt))], row.params)
+              for i in range(3)]
     alone = engine.generate([row])[0]
     batched = engine.generate(others + [row])[-1]
     return engine, alone, batched
@@ -421,7 +422,7 @@ def test_provides_draft_probs_is_enforced(llama, cls, match):
         with pytest.raises(ValueError, match=match):
             engine = Engine(model.params, model.config, ECFG, progress=False,
                             spec=SpecSection(algorithm=name, num_draft_tokens=3))
-            engine.generate([Request([5, 6, 7], max_new_tokens=4, temperature=1.0, seed=1)])
+            engine.generate([Request([5, 6, 7], SamplingParams(max_tokens=4, temperature=1.0), seed=1)])
     finally:
         A.unregister(name)
 

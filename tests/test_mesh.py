@@ -253,7 +253,7 @@ def test_sharded_page_allocator_keeps_rows_on_their_shard():
 def test_helpers_are_identity_without_mesh():
     x = {"a": jax.numpy.ones((2, 3))}
     assert shd.shard_params(x, None, None) is x
-    assert shd.constrain_cache(x, None) is x
+    assert shd.constrain_state(x, None) is x
     assert shd.abstract_state(x, None) is x
 
 

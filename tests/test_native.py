@@ -139,6 +139,7 @@ def test_policy_refuses_native_where_it_cannot_run():
 def test_engine_with_and_without_native_kernels_matches_hf(tiny_dirs):
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.models.loading import load_model
     from jaxspec.native.packed_matmul import PackedWeight
     from tests.reference import assert_greedy_equal, hf_greedy
@@ -152,7 +153,7 @@ def test_engine_with_and_without_native_kernels_matches_hf(tiny_dirs):
                              layer_loop=loop)
         engine = Engine(model.params, model.config, ecfg, progress=False)
         assert isinstance(engine.runner.params["head"], PackedWeight) is packed
-        for prompt, res in zip(prompts, engine.generate([Request(p, max_new_tokens=16) for p in prompts])):
+        for prompt, res in zip(prompts, engine.generate([Request(p, SamplingParams(max_tokens=16)) for p in prompts])):
             assert_greedy_equal(hf, prompt, res.output_ids, hf_greedy(hf, prompt, 16))
 
 

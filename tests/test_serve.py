@@ -26,6 +26,7 @@ def reference(served, chat_model_dir):
     """Greedy text of the same model through Engine.generate (no speculation)."""
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.models.loading import load_model
 
     m = load_model(chat_model_dir, progress=False)
@@ -34,7 +35,7 @@ def reference(served, chat_model_dir):
     stop = served[0].stop_ids
 
     def greedy(prompt_ids: list[int], max_new: int, ignore_eos: bool = False) -> str:
-        req = Request(prompt_ids, max_new_tokens=max_new, stop_token_ids=() if ignore_eos else stop)
+        req = Request(prompt_ids, SamplingParams(max_tokens=max_new), stop_token_ids=() if ignore_eos else stop)
         out = engine.generate([req])[0]
         return m.tokenizer.decode(out.output_ids, skip_special_tokens=True)
 

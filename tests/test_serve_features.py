@@ -24,9 +24,9 @@ import pytest
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
-from jaxspec.serve.scheduler import SeqParams
 from jaxspec.serve.server import build_server
 from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head
 from tests.test_serve_scheduler import NEW, PROMPTS, config, run_all
@@ -39,7 +39,7 @@ def world(tiny_dirs, tmp_path_factory):
     model = load_model(path, progress=False)
     engine = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=128,
                                                               length_buckets=(32, 64, 128)), progress=False)
-    reference = [r.output_ids for r in engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])]
+    reference = [r.output_ids for r in engine.generate([Request(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS])]
     return dict(path=path, model=model, reference=reference,
                 eagle3=write_eagle3_head(tmp / "eagle3", hf, layer_ids=[0, 1, 2], convention="input"),
                 medusa=write_medusa_head(tmp / "medusa", hf, num_heads=3),
@@ -68,7 +68,7 @@ class StateProbe:
     def features(self, seqs):
         """The target's features at every position of each sequence: one jitted forward over all of
         them, padded to one shape (causal, so padding after a sequence does not change its features)."""
-        cfg, want = self.model.config, self.runner._drafter.target_features
+        cfg, want = self.model.config, self.runner.drafter.target_features
         target = prepare_params(self.model.params, cfg, unstack=False)
         b, t = len(seqs), 128
         tokens = np.zeros((b, t), np.int32)
@@ -174,7 +174,7 @@ def test_adaptive_k0_calls_keep_the_drafter_state(world):
 
 
 def _run_sampled(server, prompts, params, schedule):
-    """Step the scheduler over `prompts` with SeqParams `params` and the adaptive policy pinned to
+    """Step the scheduler over `prompts` with (SamplingParams, seed) `params` and the adaptive policy pinned to
     cycle through `schedule` (draft lengths): the tokens per prompt."""
     from jaxspec.serve.scheduler import Seq, Status
 
@@ -186,8 +186,8 @@ def _run_sampled(server, prompts, params, schedule):
         return used[-1]
 
     sched.adaptive.choose = choose
-    seqs = [Seq(list(p), sp, lambda e, i=i: got.setdefault(i, []).extend(e.token_ids))
-            for i, (p, sp) in enumerate(zip(prompts, params))]
+    seqs = [Seq(list(p), sp, lambda e, i=i: got.setdefault(i, []).extend(e.token_ids), seed=seed)
+            for i, (p, (sp, seed)) in enumerate(zip(prompts, params))]
     for q in seqs:
         sched.submit(q)
     for _ in range(10_000):
@@ -227,19 +227,19 @@ def test_seeded_sampling_reproduces_under_adaptive_speculation(world, tmp_path, 
     kw = dict(temperature=1.0, top_k=40)
     seeds = [1234 + i for i in range(len(PROMPTS))]
     want = {s: r.output_ids for s, r in zip(seeds, plain.generate(
-        [Request(p, max_new_tokens=NEW, seed=s, **kw) for p, s in zip(PROMPTS, seeds)]))}
+        [Request(p, SamplingParams(max_tokens=NEW, **kw), seed=s) for p, s in zip(PROMPTS, seeds)]))}
     shifted = {s + 1: r.output_ids for s, r in zip(seeds, plain.generate(
-        [Request(p, max_new_tokens=NEW, seed=s + 1, **kw) for p, s in zip(PROMPTS, seeds)]))}
+        [Request(p, SamplingParams(max_tokens=NEW, **kw), seed=s + 1) for p, s in zip(PROMPTS, seeds)]))}
     server = build_server(config(world["path"], **SAMPLED_SPECS[alg](world, tmp_path), **{"spec.verify": "auto"}),
                           model=world["model"], progress=False)
     top = max(server.runner.candidates)
     assert server.scheduler.adaptive is not None and top > 1
-    sp = lambda s: SeqParams(max_new_tokens=NEW, seed=s, **kw)  # noqa: E731
+    sp = lambda s: (SamplingParams(max_tokens=NEW, **kw), s)  # noqa: E731
     got = _run_sampled(server, PROMPTS, [sp(s) for s in seeds], [0, top, top, 1, top])
     assert got == [want[s] for s in seeds]
     # 2. Reversed, sampled rows between greedy copies, another schedule.
     prompts = [p for p in PROMPTS[::-1] for _ in (0, 1)]
-    params = [sp(s) if j == 0 else SeqParams(max_new_tokens=NEW) for s in seeds[::-1] for j in (0, 1)]
+    params = [sp(s) if j == 0 else (SamplingParams(max_tokens=NEW), 0) for s in seeds[::-1] for j in (0, 1)]
     got = _run_sampled(server, prompts, params, [top, 1, 0, top])
     assert got[::2] == [want[s] for s in seeds[::-1]]
     # 3. Seeds + 1 (what choice 1 of an n = 2 request gets).
@@ -255,12 +255,12 @@ def test_rejection_under_adaptive_speculation_is_not_reproducible_positive_contr
                                                              length_buckets=(32, 64, 128)), progress=False)
     kw = dict(temperature=1.0, top_k=40)
     seeds = [1234 + i for i in range(len(PROMPTS))]
-    want = [r.output_ids for r in plain.generate([Request(p, max_new_tokens=NEW, seed=s, **kw)
+    want = [r.output_ids for r in plain.generate([Request(p, SamplingParams(max_tokens=NEW, **kw), seed=s)
                                                   for p, s in zip(PROMPTS, seeds)])]
     server = build_server(config(world["path"], **SAMPLED_SPECS["ngram"](world, tmp_path),
                                  **{"spec.verify": "rejection"}), model=world["model"], progress=False)
     top = max(server.runner.candidates)
-    got = _run_sampled(server, PROMPTS, [SeqParams(max_new_tokens=NEW, seed=s, **kw) for s in seeds],
+    got = _run_sampled(server, PROMPTS, [(SamplingParams(max_tokens=NEW, **kw), s) for s in seeds],
                        [0, top, top, 1, top])
     assert got != want
 
@@ -311,7 +311,7 @@ def test_http_eagle3_answer_and_acceptance_metrics(chat_model_dir, tmp_path):
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         engine = Engine(model.params, model.config, EngineSection(max_batch_size=1, max_context=256,
                                                                   length_buckets=(64, 256)), progress=False)
-        want = engine.generate([Request(ids, max_new_tokens=16, stop_token_ids=server.stop_ids)])[0]
+        want = engine.generate([Request(ids, SamplingParams(max_tokens=16), stop_token_ids=server.stop_ids)])[0]
         assert r.choices[0].message.content == model.tokenizer.decode(want.output_ids, skip_special_tokens=True)
         assert r.usage.completion_tokens == len(want.output_ids)
         # Every token after prefill's was committed by a verify step; one observation per step.

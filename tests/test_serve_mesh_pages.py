@@ -99,8 +99,7 @@ def test_rows_on_the_wrong_shard_are_refused():
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.split_pages, runner.num_shards = True, 2
-    row = RowInput(tokens=[1, 2], prompt_len=2, max_new=4, page_row=np.zeros(4, np.int32), slot=0, temperature=0.0,
-                   top_k=0, top_p=1.0, seed=0, stop_ids=(), shard=1)
+    row = RowInput(tokens=[1, 2], prompt_len=2, page_row=np.zeros(4, np.int32), slot=0, shard=1)
     runner._check_shard(2, 4, row)
     with pytest.raises(ValueError, match="batch row 1 of 4 runs on data shard 0"):
         runner._check_shard(1, 4, row)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_two_processes_serve_one_mesh(chat_model_dir):
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.models.loading import load_model
 
     m = load_model(chat_model_dir, progress=False)
@@ -30,7 +31,7 @@ def test_two_processes_serve_one_mesh(chat_model_dir):
     engine = Engine(m.params, m.config, EngineSection(max_batch_size=2, max_context=256, length_buckets=(64, 256)),
                     progress=False)
     want = [m.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            for r in engine.generate([Request(p, max_new_tokens=12) for p in prompts])]
+            for r in engine.generate([Request(p, SamplingParams(max_tokens=12)) for p in prompts])]
 
     http_port, coord_port = free_port(), free_port()
     sets = [a for k, v in SERVE_CFG.items() for a in ("--set", f"{k}={v}")]

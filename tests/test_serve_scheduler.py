@@ -9,8 +9,9 @@ import pytest
 
 from jaxspec.config import EngineSection, apply_overrides, load_config
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.loading import load_model
-from jaxspec.serve.scheduler import Seq, SeqParams, Status
+from jaxspec.serve.scheduler import Seq, Status
 from jaxspec.serve.server import build_server
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57,
@@ -23,7 +24,7 @@ def run_all(server, prompts, new, after_step=None):
     sequences. `after_step(scheduler)` runs after every step (state probes)."""
     sched, got, seqs = server.scheduler, {}, []
     for i, p in enumerate(prompts):
-        seqs.append(Seq(list(p), SeqParams(max_new_tokens=new),
+        seqs.append(Seq(list(p), SamplingParams(max_tokens=new),
                         lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
         sched.submit(seqs[-1])
     for _ in range(10_000):
@@ -43,7 +44,7 @@ def reference(tiny_dirs):
     m = load_model(path, progress=False)
     engine = Engine(m.params, m.config, EngineSection(max_batch_size=8, max_context=128, length_buckets=(32, 64, 128)),
                     progress=False)
-    return [r.output_ids for r in engine.generate([Request(p, max_new_tokens=NEW) for p in PROMPTS])]
+    return [r.output_ids for r in engine.generate([Request(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS])]
 
 
 def config(path, **extra):

@@ -15,6 +15,7 @@ from jaxspec.bench.common import CHAT_PROMPTS, chat_ids
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.speculative.drafters.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, hf_greedy
@@ -58,11 +59,11 @@ def test_logits_match_hf(smollm, smollm_hf, prompts):
 
 def test_greedy_matches_hf_six_prompts(smollm, smollm_hf, prompts, hf_refs):
     engine = Engine(smollm.params, smollm.config, ENGINE, progress=False)
-    results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts])
+    results = engine.generate([Request(p, SamplingParams(max_tokens=NEW)) for p in prompts])
     for p, res, ref in zip(prompts, results, hf_refs):
         assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
     # batch-1 gives the same tokens as the ragged batch
-    assert engine.generate([Request(prompts[3], max_new_tokens=NEW)])[0].output_ids == results[3].output_ids
+    assert engine.generate([Request(prompts[3], SamplingParams(max_tokens=NEW))])[0].output_ids == results[3].output_ids
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,7 @@ def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec
         assert hcfg.kind != "eagle3" or hcfg.feature_layers == (2, 15, 27)
         draft = init_head_params(hcfg, seed=1), hcfg
     engine = Engine(smollm.params, smollm.config, ENGINE, progress=False, spec=SpecSection(**spec_kw), draft=draft)
-    results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts[:3]])
+    results = engine.generate([Request(p, SamplingParams(max_tokens=NEW)) for p in prompts[:3]])
     for p, res, ref in zip(prompts, results, hf_refs):
         assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
     assert engine.runner.allocator.num_used == 0

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from jaxspec.cache.attention import gather_pages
 from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.engine.phases import loop_state
 from jaxspec.engine.runner import RowInput
 from jaxspec.models.llama import forward
@@ -81,7 +82,7 @@ def test_greedy_spec_equals_target_greedy(llama, algorithm, topk, steps, ndt, pa
     engine = spec_engine(model, page_size, draft=draft, algorithm=algorithm, topk=topk,
                          num_steps=steps, num_draft_tokens=ndt)
     prompts = PROMPTS[:batch]
-    results = engine.generate([Request(p, max_new_tokens=NEW) for p in prompts])
+    results = engine.generate([Request(p, SamplingParams(max_tokens=NEW)) for p in prompts])
     for p, res, ref in zip(prompts, results, refs):
         assert_greedy_equal(hf, p, res.output_ids, ref)
         # The first token comes from prefill; every verify then commits num_accepted + 1.
@@ -94,7 +95,7 @@ def test_greedy_spec_equals_target_greedy(llama, algorithm, topk, steps, ndt, pa
 def test_same_model_oracle_accepts_everything_on_chains(llama, k):
     model, hf, refs = llama
     engine = spec_engine(model, algorithm="standalone", topk=1, num_steps=k, num_draft_tokens=k + 1)
-    res = engine.generate([Request(PROMPTS[0], max_new_tokens=NEW)])[0]
+    res = engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=NEW))])[0]
     assert res.output_ids == refs[0]
     assert res.accept_lengths == [k + 1] * len(res.accept_lengths)  # tau = k + 1
 
@@ -105,8 +106,8 @@ def test_stop_token_inside_an_accepted_run(llama):
     ref = refs[0]
     stop = ref[8]  # the oracle commits 6 tokens per verify, so this lands mid-run
     first = ref.index(stop)
-    res = engine.generate([Request(PROMPTS[0], max_new_tokens=NEW, stop_token_ids=(stop,)),
-                           Request(PROMPTS[1], max_new_tokens=NEW)])
+    res = engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=NEW), stop_token_ids=(stop,)),
+                           Request(PROMPTS[1], SamplingParams(max_tokens=NEW))])
     assert res[0].output_ids == ref[: first + 1]
     assert res[0].finish_reason == "stop"
     assert res[1].output_ids == refs[1]
@@ -115,7 +116,7 @@ def test_stop_token_inside_an_accepted_run(llama):
 def test_max_new_tokens_cuts_inside_a_run(llama):
     model, hf, refs = llama
     engine = spec_engine(model, algorithm="standalone", topk=1, num_steps=5, num_draft_tokens=6)
-    res = engine.generate([Request(PROMPTS[2], max_new_tokens=9)])[0]
+    res = engine.generate([Request(PROMPTS[2], SamplingParams(max_tokens=9))])[0]
     assert res.output_ids == refs[2][:9]
 
 
@@ -125,9 +126,9 @@ def test_sampling_verifiers_are_seeded_and_exact_for_greedy_requests(llama, veri
     draft = truncate_layers(model.params, model.config, 1)
     engine = spec_engine(model, draft=draft, algorithm="standalone", topk=1, num_steps=3,
                          num_draft_tokens=4, verify=verify)
-    sampled = Request(PROMPTS[0], max_new_tokens=20, temperature=1.0, seed=7)
+    sampled = Request(PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.0), seed=7)
     alone = engine.generate([sampled])[0].output_ids
-    mixed = engine.generate([Request(PROMPTS[1], max_new_tokens=NEW), sampled])
+    mixed = engine.generate([Request(PROMPTS[1], SamplingParams(max_tokens=NEW)), sampled])
     assert mixed[1].output_ids == alone, "a seeded request must not depend on its batch"
     assert_greedy_equal(hf, PROMPTS[1], mixed[0].output_ids, refs[1])
 
@@ -147,7 +148,7 @@ def test_tree_rejection_sampling_follows_the_target_with_deterministic_tree_draf
     max_depth = engine.spec_plan.max_depth
 
     def run(seeds, extra=()):
-        return engine.generate([*extra, *(Request(prompt, max_new_tokens=new, temperature=temp, seed=int(s))
+        return engine.generate([*extra, *(Request(prompt, SamplingParams(max_tokens=new, temperature=temp), seed=int(s))
                                           for s in seeds)])
 
     results = [r for start in range(0, n, batch) for r in run(range(start, start + batch))]
@@ -163,7 +164,7 @@ def test_tree_rejection_sampling_follows_the_target_with_deterministic_tree_draf
     # Sampled, not greedy: most seeds leave the greedy path within three tokens.
     assert (out != np.asarray(refs[0][:new])).any(axis=1).mean() > 0.5
     # Same seeds again, now beside a greedy row: identical samples, and the greedy row is exact.
-    again = run(range(batch - 1), extra=[Request(PROMPTS[1], max_new_tokens=new)])
+    again = run(range(batch - 1), extra=[Request(PROMPTS[1], SamplingParams(max_tokens=new))])
     assert_greedy_equal(hf, PROMPTS[1], again[0].output_ids, refs[1][:new])
     assert [(r.output_ids, r.accept_lengths) for r in again[1:]] == \
         [(r.output_ids, r.accept_lengths) for r in results[: batch - 1]]
@@ -211,9 +212,8 @@ def test_committed_cache_equals_fresh_prefill(llama, config, prompts, iters):
     rows = []
     for i, p in enumerate(prompts):
         r.allocator.allocate(i, ctx)
-        rows.append(RowInput(tokens=list(p), prompt_len=len(p), max_new=40,
-                             page_row=np.asarray(r.allocator.page_table_row(i, r.max_pages)), slot=i,
-                             temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=()))
+        rows.append(RowInput(tokens=list(p), prompt_len=len(p), page_row=np.asarray(r.allocator.page_table_row(
+            i, r.max_pages)), slot=i, params=SamplingParams(max_tokens=40)))
     for row, first in zip(rows, r.prefill([(row, 0, row.prompt_len) for row in rows])):
         row.tokens.append(first)
     state, _ = loop_state(r, engine.depth, rows, ctx)
@@ -289,7 +289,7 @@ def test_loop_body_never_copies_the_cache(llama, spec_kw):
     # layer's attention and copied the cache to allow that. The compiled loop
     # must update the carry in place. (Detector: test_whole_cache_copy_detector_catches_a_copying_loop.)
     engine = spec_engine(llama[0], **spec_kw)
-    engine.generate([Request([5, 17, 33, 9], max_new_tokens=8)])
+    engine.generate([Request([5, 17, 33, 9], SamplingParams(max_tokens=8))])
     decode = [(key, ex) for key, ex in engine.runner._compiled.items() if key[0] == "decode"]
     assert decode, "no decode executable was compiled: nothing would be checked"
     for key, executable in decode:

@@ -30,6 +30,7 @@ import torch
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import ConfigValueError, EngineSection
 from jaxspec.engine import Engine, Request
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.heads.attn_head import attn_head_step, prepare_head_params, project_features
 from jaxspec.models.heads.init import head_config, init_head_params
 from jaxspec.models.heads.loading import load_draft_head
@@ -78,7 +79,7 @@ def prompts(seed: int, n: int) -> list[list[int]]:
 def greedy(model, ps, max_new=RESPONSE, batch=16):
     ecfg = EngineSection(max_batch_size=batch, max_context=64, length_buckets=(64,), batch_buckets=(batch,))
     engine = Engine(model.params, model.config, ecfg, progress=False)
-    return [r.output_ids for r in engine.generate([Request(prompt_ids=p, max_new_tokens=max_new) for p in ps])]
+    return [r.output_ids for r in engine.generate([Request(p, SamplingParams(max_tokens=max_new)) for p in ps])]
 
 
 @pytest.fixture(scope="module")

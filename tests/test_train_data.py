@@ -274,6 +274,7 @@ def test_cache_union_reads_both_and_refuses_another_layout(chat, built, tmp_path
 def test_regenerate_is_the_engines_greedy_continuation(chat):
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
 
     engine = Engine(chat.params, chat.config, EngineSection(max_batch_size=4, max_context=128,
                     length_buckets=(64, 128)), progress=False)
@@ -283,7 +284,7 @@ def test_regenerate_is_the_engines_greedy_continuation(chat):
     assert len(exs) == 5
     for c, e in zip(convs, exs):
         prompt = D._template(chat.tokenizer, c.messages[:1], True)
-        out = engine.generate([Request(prompt, max_new_tokens=10, stop_token_ids=(2,))])[0].output_ids
+        out = engine.generate([Request(prompt, SamplingParams(max_tokens=10), stop_token_ids=(2,))])[0].output_ids
         assert len(out) == 10 and e.tokens.tolist() == prompt + out and e.loss_mask.tolist() == [False] * len(prompt) + [True] * len(out)
     hot = D.build_examples(convs, chat.tokenizer, source="regenerate", engine=engine, max_len=128,
                            temperature=30.0, max_new_tokens=10)  # the tiny head is sharpened x8

@@ -167,10 +167,12 @@ class Engines:
 
 def requests_for(point: Point, prompts: list[list[int]], idx: list[int], max_new: int) -> list:
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
     t = float(point.run["temperature"])
-    return [Request(prompts[src], max_new_tokens=max_new, temperature=t, top_p=float(point.run["top_p"]),
-                    top_k=int(point.run["top_k"]), seed=int(point.run["seed"]) + slot) for slot, src in idx]
+    sp = SamplingParams(max_tokens=max_new, temperature=t, top_p=float(point.run["top_p"]),
+                        top_k=int(point.run["top_k"]))
+    return [Request(prompts[src], sp, seed=int(point.run["seed"]) + slot) for slot, src in idx]
 
 
 def run_group(engine, point: Point, grid: Grid, prompts, group: list[tuple[int, int]], pid: str,

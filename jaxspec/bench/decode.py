@@ -50,8 +50,10 @@ def jaxspec_tps(engine, prompts, max_new_tokens: int, batch: int, reps: int,
                 sampling: dict | None = None) -> tuple[float, float]:
     """Median decode tokens/s and median ms per decode step (per batch step)."""
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
-    reqs = [Request(p, max_new_tokens=max_new_tokens, seed=i, **(sampling or {})) for i, p in enumerate(prompts)]
+    sp = SamplingParams(max_tokens=max_new_tokens, **(sampling or {}))
+    reqs = [Request(p, sp, seed=i) for i, p in enumerate(prompts)]
     groups = [reqs[i : i + batch] for i in range(0, len(reqs), batch)]
     engine.generate(groups[0])  # compile + warm
     rates, step_ms = [], []
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     engine = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512), progress=True)
     # The same engine on XLA's own CPU ops, to show what the native kernels buy (CPU only).
     xla_engine = None
-    if jax.default_backend() == "cpu" and engine.native_kernels:
+    if jax.default_backend() == "cpu" and engine.runner.native_kernels:
         xla_engine = Engine(model.params, model.config,
                             EngineSection(max_batch_size=8, max_context=512, cpu_kernels="xla"), progress=True)
     weight_bytes = param_bytes(model.params)

@@ -134,6 +134,7 @@ def copy_bandwidth(nbytes: int) -> float:
 def decode_rates(cfg, params, batches, new_tokens: int, prompt_len: int, spec=None) -> dict[int, float]:
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
 
     ecfg = EngineSection(max_batch_size=max(batches), max_context=prompt_len + new_tokens + 32,
                          length_buckets=(prompt_len, 2 * prompt_len, 4 * prompt_len, 8 * prompt_len),
@@ -142,7 +143,7 @@ def decode_rates(cfg, params, batches, new_tokens: int, prompt_len: int, spec=No
     rng = np.random.default_rng(1)
     out = {}
     for b in batches:
-        reqs = [Request(rng.integers(3, cfg.vocab_size, prompt_len).tolist(), max_new_tokens=new_tokens)
+        reqs = [Request(rng.integers(3, cfg.vocab_size, prompt_len).tolist(), SamplingParams(max_tokens=new_tokens))
                 for _ in range(b)]
         engine.generate(reqs)  # compile + warm
         rates = []

@@ -71,8 +71,9 @@ def decode_rates(engines: list, prompt, max_new: int, reps: int) -> list[tuple[f
     """(median decode tok/s, tau) per engine on one prompt. The engines take turns within each
     repetition, so a noisy machine's drift hits them alike; the first run of each warms up."""
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
-    req = [Request(prompt, max_new_tokens=max_new)]
+    req = [Request(prompt, SamplingParams(max_tokens=max_new))]
     for e in engines:
         e.generate(req)
     rates, lens = [[] for _ in engines], [[] for _ in engines]
@@ -138,8 +139,9 @@ def main(argv=None) -> int:
             rows.append([name, n, L, tau, rate, base, rate / base])
             if L == 4:
                 from jaxspec.engine import Request
+                from jaxspec.sampling_params import SamplingParams
 
-                ph = eng.profile_phases([Request(prompt, max_new_tokens=args.max_new_tokens)])
+                ph = eng.profile_phases([Request(prompt, SamplingParams(max_tokens=args.max_new_tokens))])
                 sec = ph["seconds"]
                 tot = ph["total_s"] or float("nan")
                 phase_rows.append([name, n, 1000 * sec.get("draft", 0) / max(ph["counts"].get("verify", 1), 1),

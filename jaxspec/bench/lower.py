@@ -244,7 +244,8 @@ def print_report(rows: list[dict], platform: str) -> None:
 
 def role_summary(rows: list[dict]) -> list[str]:
     """Per kernel job, which entry points that need it got the platform's kernel and which fell back to HLO."""
-    loops = [r for r in rows if r["name"].startswith(("spec_", "serve_decode"))]
+    # Every decode program is the loop (plain decoding is its k = 0 plan, a one-node verify).
+    loops = [r for r in rows if r["name"].startswith(("spec_", "serve_decode", "decode_plain"))]
     need = {"attention": rows, "verify": loops, "tree_build": [r for r in loops if "tree" in r["name"]]}
     out = []
     for role, group in need.items():

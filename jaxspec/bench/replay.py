@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     from jaxspec.bench.prompts import humaneval_rewrite_prompts, mtbench_questions
     from jaxspec.bench.spec import engine_for
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.models.loading import load_model
 
     model = load_model(args.model, dtype=jnp.float32)
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     rows = []
     for set_name, prompts in sets.items():
         # The target's greedy tokens, long enough to check drafts past the last committed one.
-        targets = [plain.generate([Request(pr, max_new_tokens=new + 16)])[0].output_ids for pr in prompts]
+        targets = [plain.generate([Request(pr, SamplingParams(max_tokens=new + 16))])[0].output_ids for pr in prompts]
         for shape in shapes:
             widths = loop_widths(shape)
             speedups, all_steps = [], []

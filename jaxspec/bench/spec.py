@@ -41,12 +41,13 @@ def engine_for(model, spec_kw: dict | None, draft=None, batch: int = 1):
 def run_engine(engine, prompts, max_new: int, warm: bool = True) -> tuple[list[float], list[int]]:
     """(decode tokens/s per prompt, accept lengths) at batch 1; `warm` first runs prompt 0 once."""
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
     if warm:
-        engine.generate([Request(prompts[0], max_new_tokens=max_new)])
+        engine.generate([Request(prompts[0], SamplingParams(max_tokens=max_new))])
     rates, lens = [], []
     for p in prompts:
-        res = engine.generate([Request(p, max_new_tokens=max_new)])[0]
+        res = engine.generate([Request(p, SamplingParams(max_tokens=max_new))])[0]
         t = engine.last_timing
         rates.append(t["new_tokens"] / t["decode_s"])
         lens += res.accept_lengths or []
@@ -57,13 +58,14 @@ def run_batched(engine, prompts, max_new: int, batch: int, reps: int = 1) -> lis
     """Decode tokens/s of whole batches of `batch` prompts (all rows' new tokens over the decode
     time), one value per batch and repetition; the first batch runs once first to compile."""
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
     groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-    engine.generate([Request(p, max_new_tokens=max_new) for p in groups[0]])
+    engine.generate([Request(p, SamplingParams(max_tokens=max_new)) for p in groups[0]])
     rates = []
     for _ in range(reps):
         for g in groups:
-            engine.generate([Request(p, max_new_tokens=max_new) for p in g])
+            engine.generate([Request(p, SamplingParams(max_tokens=max_new)) for p in g])
             t = engine.last_timing
             rates.append(t["new_tokens"] / t["decode_s"])
     return rates
@@ -201,8 +203,9 @@ def phase_split(engine, prompt, new: int) -> list[float]:
     """[draft, verify, other] fractions of one request, the phases jitted apart."""
     from jaxspec.bench.common import time_split
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
-    s = time_split(engine, [Request(prompt, max_new_tokens=new)]) or {}
+    s = time_split(engine, [Request(prompt, SamplingParams(max_tokens=new))]) or {}
     return [s.get("draft", float("nan")), s.get("verify", float("nan")), s.get("other", float("nan"))]
 
 

@@ -86,7 +86,7 @@ def make_verify_fn(cfg, accept: tuple[float, int, float] | None = None):
             return out.cache, argmax_last(out.logits)
         sp = DeviceSampling(temperature=jnp.full((b,), t, jnp.float32), top_k=jnp.full((b,), k, jnp.int32),
                             top_p=jnp.full((b,), p, jnp.float32), seed=jnp.arange(b, dtype=jnp.uint32),
-                            stop_ids=jnp.full((b, 1), -1, jnp.int32), max_new=jnp.ones((b,), jnp.int32))
+                            stop_ids=jnp.full((b, 1), -1, jnp.int32), max_tokens=jnp.ones((b,), jnp.int32))
         depth = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
         return out.cache, coupled_predict(out.logits, depth, sp, seq_lens + 1, w - 1)
 

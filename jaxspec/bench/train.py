@@ -62,12 +62,13 @@ def eagle3_train_flops_per_token(cfg, draft_vocab: int, ttt: int) -> float:
 def time_generation(model, n: int, batch: int, new: int) -> tuple[float, list[np.ndarray]]:
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
     from jaxspec.train.data import _template, sharegpt_conversations
 
     convs = [c for _, c in zip(range(n), sharegpt_conversations("train"))]
     prompts = [_template(model.tokenizer, c.messages[:1], True)[:256] for c in convs]
     engine = Engine(model.params, model.config, EngineSection(max_batch_size=batch, max_context=512), progress=False)
-    reqs = [Request(p, max_new_tokens=new) for p in prompts]
+    reqs = [Request(p, SamplingParams(max_tokens=new)) for p in prompts]
     engine.generate(reqs)  # compiles every bucket these prompts use: the timed run compiles nothing
     t = time.perf_counter()
     res = engine.generate(reqs)

@@ -67,6 +67,7 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
     if not serving:
         return ModelRunner(model.params, model.config, ecfg, spec=spec if spec_on else None,
                            with_plain=spec_on and spec.adaptive_on(), **kw)
+    candidates = None  # the configured shape (a chain or a tree) at its own depth
     if not spec_on:
         candidates = (0,)
     elif s.adaptive:
@@ -74,8 +75,6 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
         # The base plan is the deepest candidate (page reserve and buffers size to it).
         spec = dataclasses.replace(spec, topk=1, num_draft_tokens=max(candidates) + 1,
                                    num_steps=max(max(candidates), 1))
-    else:
-        candidates = (spec.num_draft_tokens - 1,)
     if s.kv_memory_fraction > 0:
         data_shards = mesh.shape["data"] if split_pages and mesh is not None else 1
         ecfg = dataclasses.replace(ecfg, num_pages=num_pages_from_memory(cfg, run_config(model.config, mesh),

@@ -19,6 +19,7 @@ from jaxspec.config import EngineSection
 from jaxspec.engine.phases import decode_phases
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import Request, RequestError, Result, RowInput, bucket_for
+from jaxspec.sampling_params import SamplingParams
 
 class Engine:
     """Batches of requests through a `ModelRunner` built for offline use (calls run to completion).
@@ -60,7 +61,7 @@ class Engine:
 
     @property
     def reserve_tokens(self) -> int:
-        """Cache slots a sequence needs beyond prompt + max_new: the verify tree and the drafter's scratch."""
+        """Cache slots a sequence needs beyond prompt + max_tokens: the verify tree and the drafter's scratch."""
         return self.runner.reserve
 
     # ---- buckets and compilation -------------------------------------------------
@@ -68,7 +69,7 @@ class Engine:
     def buckets_for(self, batch: int, prompt_len: int, total_len: int) -> tuple[int, int, int]:
         r = self.runner
         if total_len > self.max_context:
-            raise RequestError(f"prompt of {prompt_len} tokens + max_new_tokens exceeds the context of "
+            raise RequestError(f"prompt of {prompt_len} tokens + max_tokens exceeds the context of "
                                f"{self.max_context} tokens")
         b = bucket_for(min(batch, self.ecfg.max_batch_size), r.batch_buckets, "batch size")
         lb = bucket_for(prompt_len, r.chunk_buckets, "prompt length")
@@ -97,7 +98,7 @@ class Engine:
     # ---- generation --------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
-        self.runner.check_request(req.prompt_ids, req.max_new_tokens, req.stop_token_ids, req.temperature)
+        self.runner.check_request(req.prompt_ids, req.params, req.stop_token_ids)
 
     def plan(self, requests: Sequence[Request]) -> list[tuple[list[int], tuple[int, int, int]]]:
         """Split requests into batches and choose each batch's bucket."""
@@ -107,7 +108,7 @@ class Engine:
         for start in range(0, len(requests), step):
             idx = list(range(start, min(start + step, len(requests))))
             lp = max(len(requests[i].prompt_ids) for i in idx)
-            total = max(len(requests[i].prompt_ids) + requests[i].max_new_tokens for i in idx) + self.reserve_tokens
+            total = max(len(requests[i].prompt_ids) + requests[i].params.max_tokens for i in idx) + self.reserve_tokens
             plans.append((idx, self.buckets_for(len(idx), lp, total)))
         return plans
 
@@ -135,7 +136,7 @@ class Engine:
         of 16 new tokens per row through each compiled program, twice, the second run kept."""
         b, _, ctx = bucket
         new = max(2, min(16, ctx - 8 - self.reserve_tokens))
-        dummy = [Request([1] * 8, max_new_tokens=new)] * b
+        dummy = [Request([1] * 8, SamplingParams(max_tokens=new))] * b
         out = {}
         for _ in range(2):  # the first call of a fresh executable pays set-up costs
             for k in self.runner.candidates:
@@ -160,7 +161,7 @@ class Engine:
         return timer.to_dict()
 
     def _run_batch(self, reqs: list[Request], bucket, timing, k: int, timer=None) -> list[Result]:
-        r, (b, lb, ctx) = self.runner, bucket
+        r, (b, _, ctx) = self.runner, bucket
         per_shard = b // self.num_shards
         seq_ids = [object() for _ in reqs]
         try:
@@ -169,13 +170,13 @@ class Engine:
             rows: list[RowInput | None] = [None] * b
             for i, (q, sid) in enumerate(zip(reqs, seq_ids)):
                 shard = i // per_shard if self.split_pages else None
-                r.allocator.allocate(sid, len(q.prompt_ids) + q.max_new_tokens + self.reserve_tokens,
+                r.allocator.allocate(sid, len(q.prompt_ids) + q.params.max_tokens + self.reserve_tokens,
                                      *(() if shard is None else (shard,)))
                 rows[i] = RowInput(
-                    tokens=list(q.prompt_ids), prompt_len=len(q.prompt_ids), max_new=q.max_new_tokens,
+                    tokens=list(q.prompt_ids), prompt_len=len(q.prompt_ids),
                     page_row=np.asarray(r.allocator.page_table_row(sid, r.max_pages)),
-                    slot=i % per_shard if self.split_pages else i, temperature=q.temperature, top_k=q.top_k,
-                    top_p=q.top_p, seed=q.seed, stop_ids=tuple(q.stop_token_ids), shard=shard)
+                    slot=i % per_shard if self.split_pages else i, params=q.params, seed=q.seed,
+                    stop_ids=tuple(q.stop_token_ids), shard=shard)
             # 2. Prefill (one chunk: the prompt bucket), its sampled token first.
             t0 = time.perf_counter()
             first = r.prefill([row and (row, 0, row.prompt_len) for row in rows])
@@ -183,7 +184,7 @@ class Engine:
             live = [None] * b
             for i, (q, row) in enumerate(zip(reqs, rows)):
                 row.tokens.append(first[i])
-                if first[i] not in q.stop_token_ids and q.max_new_tokens > 1:
+                if first[i] not in q.stop_token_ids and q.params.max_tokens > 1:
                     live[i] = row
             # 3. One decode call until every row is done.
             outs, iters = ([None] * b, 0)

@@ -57,6 +57,7 @@ from jaxspec.engine.types import RequestError, RowInput, RowOutput, bucket_for
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters import build_drafter, reserve_tokens
 from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
@@ -172,7 +173,8 @@ class ModelRunner:
         # only), so one store and one prefill serve all of them.
         self.drafter = self.drafters[self.candidates[-1]]
         # Plain decoding writes only committed tokens' K/V: no slots past prompt + max_new.
-        self.reserve = max(reserve_tokens(self.plans[k], d) for k, d in self.drafters.items()) if self.speculative else 0
+        self.reserve = (max(reserve_tokens(self.plans[k], d) for k, d in self.drafters.items())
+                        if self.speculative else 0)
         self.draft_params = self._draft_params(self.drafter, dparams, dcfg)
         # 3. Caches, pages, buckets.
         self._init_caches(engine_cfg)
@@ -435,9 +437,9 @@ class ModelRunner:
         for k in self.candidates:
             for b in self.batch_buckets:
                 for ctx in self.context_buckets:
-                    rows = [RowInput(tokens=[1] * 8, prompt_len=8, max_new=10**6,
-                                     page_row=np.zeros(self.max_pages, np.int32), slot=self.num_slots, temperature=0.0,
-                                     top_k=0, top_p=1.0, seed=0, stop_ids=()) for _ in range(b)]
+                    endless = SamplingParams(max_tokens=10**6)
+                    rows = [RowInput(tokens=[1] * 8, prompt_len=8, page_row=np.zeros(self.max_pages, np.int32),
+                                     slot=self.num_slots, params=endless) for _ in range(b)]
                     times = []
                     for _ in range(2):  # the first call warms up
                         t0 = time.perf_counter()
@@ -465,8 +467,7 @@ class ModelRunner:
 
     # ---- calls -------------------------------------------------------------------
 
-    def check_request(self, prompt_ids: Sequence[int], max_new: int, stop_ids: Sequence[int],
-                      temperature: float) -> None:
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: Sequence[int]) -> None:
         """RequestError naming what makes this request impossible to serve here."""
         from jaxspec.engine.device_sampling import MAX_STOP_IDS
         from jaxspec.speculative.algorithm import check_request_sampling
@@ -476,15 +477,14 @@ class ModelRunner:
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if max_new < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {max_new}")
-        if len(prompt_ids) + max_new + self.reserve > self.max_context:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new} (+{self.reserve} "
+        max_tokens = params.max_tokens  # >= 1: SamplingParams checked it
+        if len(prompt_ids) + max_tokens + self.reserve > self.max_context:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} (+{self.reserve} "
                                f"draft-tree slots) exceeds the context of {self.max_context} tokens")
         if len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
         try:
-            check_request_sampling(self.base_plan.verify, temperature)
+            check_request_sampling(self.base_plan.verify, params.temperature)
         except ValueError as e:
             raise RequestError(str(e)) from None
 

@@ -1,5 +1,11 @@
 """The host-side types of the engine: a request and its result (offline), a sequence's slice of
-one device call (`RowInput`) and what the call gave it (`RowOutput`)."""
+one device call (`RowInput`) and what the call gave it (`RowOutput`).
+
+Each holds the caller's public `SamplingParams` by reference (the server's request params, the
+API's, the CLI's): the fields are read once, where `DeviceSampling.pack` builds the device
+arrays, and never copied hop to hop. What a SamplingParams cannot say per sample travels beside
+it: the sample's own seed (SamplingParams.seed + its index, resolved by the front end) and the
+stop token ids (the model's EOS unless ignore_eos)."""
 
 from __future__ import annotations
 
@@ -8,15 +14,16 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxspec.sampling_params import SamplingParams
+
+GREEDY = SamplingParams()
+
 
 @dataclasses.dataclass
 class Request:
     prompt_ids: list[int]
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    params: SamplingParams = GREEDY  # max_tokens, temperature, top_p, top_k (by reference)
+    seed: int = 0  # this sample's noise key
     stop_token_ids: tuple[int, ...] = ()
 
 
@@ -44,20 +51,17 @@ class RowInput:
     """One sequence's slice of a call, built by the caller."""
 
     tokens: Sequence[int]  # prompt + committed tokens; the last one's K/V is not cached
-    prompt_len: int  # the original prompt (max_new counts from here)
-    max_new: int
+    prompt_len: int  # the original prompt (params.max_tokens counts from here)
     page_row: np.ndarray  # [max_pages] int32
     slot: int  # the sequence's row in the drafter-state store (stable while active)
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stop_ids: Sequence[int]
+    params: SamplingParams = GREEDY
+    seed: int = 0
+    stop_ids: Sequence[int] = ()
     shard: int | None = None  # split pages: the data shard the sequence is pinned to (checked against its row)
 
 
 @dataclasses.dataclass
 class RowOutput:
-    tokens: list[int]  # newly committed tokens, cut at a stop id or max_new
+    tokens: list[int]  # newly committed tokens, cut at a stop id or max_tokens
     done: bool
     accept_lens: list[int]  # committed tokens per verify step in this call

@@ -40,7 +40,9 @@ from typing import Callable
 from jaxspec.cache.paged import OutOfPagesError
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
-from jaxspec.engine.runner import ModelRunner, RowInput
+from jaxspec.engine.runner import ModelRunner
+from jaxspec.engine.types import RowInput
+from jaxspec.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxspec.serve")
 
@@ -50,17 +52,6 @@ class Status(enum.Enum):
     PREFILLING = "prefilling"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclasses.dataclass(frozen=True)
-class SeqParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -75,8 +66,10 @@ class Event:
 @dataclasses.dataclass(eq=False)
 class Seq:
     prompt_ids: list[int]
-    params: SeqParams
+    params: SamplingParams  # the request's own (by reference): max_tokens, temperature, top_p, top_k, stop
     on_event: Callable[[Event], None]
+    seed: int = 0  # this sample's noise key (the request's seed + its index)
+    stop_ids: tuple[int, ...] = ()  # token ids that end it (the model's EOS unless ignore_eos)
     seq_id: int = dataclasses.field(default_factory=itertools.count().__next__)
     tokens: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # target K/V slots filled so far
@@ -146,16 +139,16 @@ class Scheduler:
         slots = min(self.runner.max_context, self._pools[0].total * self.allocator.page_size)
         return slots - self.runner.reserve
 
-    def check(self, prompt_len: int, params: SeqParams) -> str | None:
+    def check(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why this request can never run (None if it can): the context or the whole cache."""
-        total = prompt_len + params.max_new_tokens + self.runner.reserve
+        total = prompt_len + params.max_tokens + self.runner.reserve
         if total > self.runner.max_context:
-            return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} exceeds the context of "
+            return (f"prompt of {prompt_len} tokens + max_tokens {params.max_tokens} exceeds the context of "
                     f"{self.runner.max_context - self.runner.reserve} tokens")
         pool = self._pools[0]  # every shard's pool has the same size
         if pool.pages_for(total) > pool.total:
             where = "the whole cache has" if self.num_shards == 1 else "a data shard's page pool has"
-            return (f"prompt of {prompt_len} tokens + max_tokens {params.max_new_tokens} needs "
+            return (f"prompt of {prompt_len} tokens + max_tokens {params.max_tokens} needs "
                     f"{pool.pages_for(total)} KV pages; {where} {pool.total}")
         return None
 
@@ -226,7 +219,7 @@ class Scheduler:
                     continue
                 if self.tokenizer is not None:
                     seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)  # no tokenizer call
-                seq.stopper = StopStringMatcher(seq.params.stop_strings)
+                seq.stopper = StopStringMatcher(seq.params.stop)
                 self.waiting.append(seq)
             elif op == "cancel" and seq.status != Status.FINISHED:
                 seq.cancelled = True
@@ -242,7 +235,7 @@ class Scheduler:
     def _lookahead(self, seq: Seq) -> int:
         """Cache slots `seq` may touch during the next decode call (scratch of the last tree included)."""
         r = self.runner
-        cap = len(seq.prompt_ids) + seq.params.max_new_tokens + r.reserve
+        cap = len(seq.prompt_ids) + seq.params.max_tokens + r.reserve
         return min(max(len(seq.tokens), 1) - 1 + r.steps_per_call * (r.max_depth + 1) + r.reserve, cap)
 
     # ---- pages and slots per data shard (one shard without split pages) -------------------
@@ -298,12 +291,10 @@ class Scheduler:
             self.prefilling.append(seq)
 
     def _row(self, seq: Seq) -> RowInput:
-        p = seq.params
         return RowInput(
-            tokens=seq.tokens, prompt_len=len(seq.prompt_ids), max_new=p.max_new_tokens,
+            tokens=seq.tokens, prompt_len=len(seq.prompt_ids),
             page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), slot=seq.slot,
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop_ids=p.stop_ids,
-            shard=seq.shard if self.num_shards > 1 else None,
+            params=seq.params, seed=seq.seed, stop_ids=seq.stop_ids, shard=seq.shard if self.num_shards > 1 else None,
         )
 
     def _prefill_step(self) -> None:
@@ -330,8 +321,8 @@ class Scheduler:
                 seq.first_token_time = time.perf_counter()
                 if self.metrics is not None:
                     self.metrics.first_token(seq)
-                stopped = tok in seq.params.stop_ids
-                self._emit(seq, [tok], stopped or seq.params.max_new_tokens <= 1)
+                stopped = tok in seq.stop_ids
+                self._emit(seq, [tok], stopped or seq.params.max_tokens <= 1)
 
     def _ensure_pages(self) -> None:
         """Give every running row pages for the next call, preempting the newest on shortage."""
@@ -399,7 +390,7 @@ class Scheduler:
         if done or hit_stop_string:
             if not hit_stop_string:
                 text += seq.stopper.flush()
-            stopped = hit_stop_string or (bool(seq.tokens) and seq.tokens[-1] in seq.params.stop_ids
+            stopped = hit_stop_string or (bool(seq.tokens) and seq.tokens[-1] in seq.stop_ids
                                           and seq.num_generated > 0)
             if self.metrics is not None:
                 self.metrics.tokens_out(seq, len(new))

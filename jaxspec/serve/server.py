@@ -15,7 +15,7 @@ from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import APIError, GenParams
 from jaxspec.engine.runner import ModelRunner
-from jaxspec.serve.scheduler import Scheduler, Seq, SeqParams
+from jaxspec.serve.scheduler import Scheduler, Seq
 from jaxspec.speculative.algorithm import check_request_sampling
 
 log = logging.getLogger("jaxspec.serve")
@@ -64,8 +64,6 @@ class Server:
         if self.draining:
             raise APIError(503, "the server is shutting down", type_="server_error")
         stop_ids = () if params.ignore_eos else self.stop_ids
-        sp = SeqParams(max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                       top_k=params.top_k, seed=seed, stop_ids=stop_ids, stop_strings=params.stop)
         if len(prompt_ids) >= self.max_context:
             raise APIError(400, f"{param_name}: the prompt has {len(prompt_ids)} tokens; the context is "
                                 f"{self.max_context}", param_name)
@@ -73,10 +71,10 @@ class Server:
             check_request_sampling(self.runner.base_plan.verify, params.temperature)
         except ValueError as e:
             raise APIError(400, f"temperature: {e}", "temperature") from None
-        why = self.scheduler.check(len(prompt_ids), sp)
+        why = self.scheduler.check(len(prompt_ids), params)
         if why is not None:
             raise APIError(400, f"max_tokens: {why}", "max_tokens")
-        seq = Seq(list(prompt_ids), sp, on_event)
+        seq = Seq(list(prompt_ids), params, on_event, seed=seed, stop_ids=stop_ids)
         self.metrics.admitted(len(prompt_ids))
         self.scheduler.submit(seq)
         return seq

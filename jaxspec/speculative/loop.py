@@ -279,12 +279,12 @@ def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool =
     committed = result.num_accepted + 1
     is_stop = jnp.any(new[:, :, None] == s.sampling.stop_ids[:, None, :], axis=-1) & (j < committed[:, None])
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, axis=-1), width)
-    room = s.sampling.max_new - (s.hist_len - s.prompt_lens)
+    room = s.sampling.max_tokens - (s.hist_len - s.prompt_lens)
     n_emit = jnp.where(live, jnp.minimum(jnp.minimum(committed, first_stop + 1), room), 0)
     cols = jnp.where(j < n_emit[:, None], s.hist_len[:, None] + j, s.history.shape[1])
     history = s.history.at[jnp.arange(new.shape[0])[:, None], cols].set(new, mode="drop")
     hist_len = s.hist_len + n_emit
-    done = s.done | (live & ((first_stop < committed) | (hist_len - s.prompt_lens >= s.sampling.max_new)))
+    done = s.done | (live & ((first_stop < committed) | (hist_len - s.prompt_lens >= s.sampling.max_tokens)))
     # 7. Metrics: committed tokens per verify (before any stop/max-tokens cut).
     step_col = jnp.where(live, s.num_verify, s.accept_lens.shape[1])
     accept_lens = s.accept_lens.at[jnp.arange(new.shape[0]), step_col].set(committed, mode="drop")

@@ -250,6 +250,7 @@ def build_examples(conversations: Sequence[Conversation], tokenizer, *, source: 
     if engine is None:
         raise DataError("source = regenerate needs an engine (jaxspec.engine.Engine over the target)")
     from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
 
     limit = min(max_len, engine.max_context - engine.reserve_tokens)
     reqs, keep = [], []
@@ -262,7 +263,7 @@ def build_examples(conversations: Sequence[Conversation], tokenizer, *, source: 
             continue
         g = first_index + i
         temp = sampled_temperature if sampled_every and g % sampled_every == sampled_every - 1 else temperature
-        reqs.append(Request(prompt_ids=ids, max_new_tokens=budget, temperature=float(temp),
+        reqs.append(Request(ids, SamplingParams(max_tokens=budget, temperature=float(temp)),
                             seed=(seed + first_index + i) % 2**32, stop_token_ids=stops))
         keep.append(c)
     order = sorted(range(len(reqs)), key=lambda j: len(reqs[j].prompt_ids))  # less padding per batch

@@ -42,6 +42,7 @@ class HeadEngine:
     def generate(self, params):
         from jaxspec.config import EngineSection
         from jaxspec.engine import Engine, Request
+        from jaxspec.sampling_params import SamplingParams
 
         spec, draft = self._load(params)
         if self.engine is None:
@@ -53,7 +54,8 @@ class HeadEngine:
             self.engine = Engine(self.target.params, self.target.config, ecfg, progress=False, spec=spec, draft=draft)
         else:  # same head shape: new draft params, same executables
             self.engine.runner.set_draft_params(draft[0])
-        return self.engine.generate([Request(prompt_ids=p, max_new_tokens=self.max_new_tokens) for p in self.prompts])
+        sp = SamplingParams(max_tokens=self.max_new_tokens)
+        return self.engine.generate([Request(p, sp) for p in self.prompts])
 
     def tau(self, params) -> float:
         """Mean τ (committed tokens per verify step) of greedy speculative decoding with `params`."""
@@ -65,13 +67,15 @@ def plain_generate(target, prompts, max_new_tokens: int = 32):
     """Greedy output of the target alone (the reference speculative output must equal)."""
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
+    from jaxspec.sampling_params import SamplingParams
 
     longest = max(len(p) for p in prompts) + max_new_tokens + 8
     ctx = 1 << max(5, math.ceil(math.log2(longest)))
     ecfg = EngineSection(max_batch_size=len(prompts), max_context=ctx, length_buckets=(ctx,),
                          batch_buckets=(len(prompts),))
     engine = Engine(target.params, target.config, ecfg, progress=False)
-    return engine.generate([Request(prompt_ids=list(map(int, p)), max_new_tokens=max_new_tokens) for p in prompts])
+    sp = SamplingParams(max_tokens=max_new_tokens)
+    return engine.generate([Request(list(map(int, p)), sp) for p in prompts])
 
 
 def engine_tau(params, hcfg, target, prompts, **kw) -> float:
