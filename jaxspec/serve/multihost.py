@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxspec.engine.device_sampling import DeviceSampling
 from jaxspec.engine.runner import ModelRunner
 
 _OPS = ("stop", "prefill", "decode")
@@ -42,10 +43,10 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
     if key[0] == "prefill":
         _, b, c = key
         return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.max_pages),
-                    sampling=runner.sampling_inputs([], b))
+                    sampling=DeviceSampling.pack([], b))
     _, _, b, ctx = key
     return dict(table=z(b, -(-ctx // runner.page_size)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
-                done=z(b, dtype=bool), slots=z(b), sampling=runner.sampling_inputs([], b))
+                done=z(b, dtype=bool), slots=z(b), sampling=DeviceSampling.pack([], b))
 
 
 class LeaderRunner:
