@@ -21,6 +21,7 @@ from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import Request, RequestError, Result, RowInput, bucket_for
 from jaxspec.sampling_params import SamplingParams
 
+
 class Engine:
     """Batches of requests through a `ModelRunner` built for offline use (calls run to completion).
 
