@@ -90,6 +90,19 @@ def draft_cache_of(draft) -> KVCache | None:
     return found[0] if found else None
 
 
+def gather_rows(drafter, store, slots):
+    """The drafter state of a call's rows from the slot store (draft cache, per-row leaves [S, ...]);
+    slots [B] int32."""
+    cache, rows = store
+    return with_row_state(drafter.init_state(cache, slots.shape[0]), jax.tree.map(lambda x: x[slots], rows), cache)
+
+
+def scatter_rows(store, slots, draft):
+    """The slot store after a call: its drafter state's cache, and its per-row leaves written back at `slots`."""
+    rows = jax.tree.map(lambda st, r: st.at[slots].set(r), store[1], row_state(draft))
+    return draft_cache_of(draft), rows
+
+
 def with_row_state(draft_like, rows, cache: KVCache | None):
     """Rebuild a drafter state from a template (for its structure), per-row leaves and the cache."""
     flat_rows = iter(jax.tree.leaves(rows))

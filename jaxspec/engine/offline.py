@@ -93,8 +93,9 @@ class Engine:
     def trace(self, key: tuple):
         """The traced program of ("prefill", batch, prompt_len, context) or ("decode", batch, context),
         at the configured draft shape (`jaxspec.bench.lower`)."""
-        pre, dec = self._keys((key[1], key[2], key[-1]) if key[0] == "prefill" else (key[1], 1, key[2]), self.depth)
-        return self.runner.trace(pre if key[0] == "prefill" else dec)
+        if key[0] == "prefill":
+            return self.runner.trace(("prefill", key[1], key[2]))
+        return self.runner.trace(("decode", self.depth, key[1], key[2]))
 
     # ---- generation --------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import mesh as shd
-from jaxspec.engine.core import draft_cache_of, row_state, with_row_state
+from jaxspec.engine.core import gather_rows, scatter_rows
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import RequestError, RowInput
 from jaxspec.speculative.loop import SpecState, make_phase_fns
@@ -28,7 +28,6 @@ def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, ti
         raise RequestError("profile_phases needs one page pool: build the Engine with split_pages=False")
     s, slots = loop_state(r, k, rows, ctx)
     draft, verify, commit, observe = make_phase_fns(r.plans[k], r.cfg, r.drafters[k])
-    store_rows = r.store[1]
     try:
         with r.mesh_context():
             for it in range(r.steps_per_call or ctx):
@@ -44,10 +43,8 @@ def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, ti
                 with timed("draft"):  # the draft-extend is drafting work
                     s = jax.block_until_ready(observe(r.draft_params, s, new, t, result, feats))
         r.cache = s.cache
-        if draft_cache_of(s.draft) is not None:
-            r.draft_cache = draft_cache_of(s.draft)
-        r.store = (r.draft_cache, jax.tree.map(lambda st, row: st.at[slots].set(row), store_rows,
-                                               row_state(s.draft)))
+        r.store = scatter_rows(r.store, slots, s.draft)
+        r.draft_cache = r.store[0]
     finally:
         r._restore()
     result = shd.to_host((s.history, s.hist_len, s.done, s.accept_lens, s.num_verify))
@@ -58,9 +55,6 @@ def loop_state(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int) -> tu
     """(the loop carry of a decode call, its slots [b]) with the drafter state gathered from the
     store, outside any executable: what the phases run on. The caches stay this runner's."""
     _, inputs = r.decode_inputs(k, rows, ctx)
-    cache, store_rows = r.store
     slots = jnp.asarray(inputs["slots"])
-    init = r.drafters[k].init_state(cache, slots.shape[0])
     s = r._state(shd.shard_batch(inputs, r.mesh), ctx)
-    return dataclasses.replace(s, draft=with_row_state(init, jax.tree.map(lambda x: x[slots], store_rows),
-                                                       cache)), slots
+    return dataclasses.replace(s, draft=gather_rows(r.drafters[k], r.store, slots)), slots

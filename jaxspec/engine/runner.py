@@ -38,6 +38,7 @@ Two executables per bucket:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
 import time
@@ -51,7 +52,7 @@ from jaxspec import aot
 from jaxspec import mesh as shd
 from jaxspec.cache.paged import PageAllocator, ShardedPageAllocator, check_cache_fits
 from jaxspec.config import EngineSection
-from jaxspec.engine.core import draft_cache_of, make_chunk_prefill_fn, row_state, spec_state, with_row_state
+from jaxspec.engine.core import gather_rows, make_chunk_prefill_fn, row_state, scatter_rows, spec_state
 from jaxspec.engine.device_sampling import DeviceSampling
 from jaxspec.engine.types import RequestError, RowInput, RowOutput, bucket_for
 from jaxspec.models.config import ModelConfig
@@ -101,12 +102,8 @@ def _with_slots(fn, drafter):
     buffer, and XLA copies both caches in and out of every call."""
 
     def run(params, draft_params, store, slots, *args):
-        cache, rows = store
-        b = slots.shape[0]
-        draft = with_row_state(drafter.init_state(cache, b), jax.tree.map(lambda x: x[slots], rows), cache)
-        *out, draft = fn(params, draft_params, draft, *args)
-        new_rows = jax.tree.map(lambda st, r: st.at[slots].set(r), rows, row_state(draft))
-        return ((draft_cache_of(draft), new_rows), *out)
+        *out, draft = fn(params, draft_params, gather_rows(drafter, store, slots), *args)
+        return (scatter_rows(store, slots, draft), *out)
 
     return run
 
@@ -362,11 +359,15 @@ class ModelRunner:
 
     # ---- compilation -------------------------------------------------------------
 
-    def aot_parts(self) -> tuple:
-        """What shapes these programs besides the source and the inputs (`aot` keys)."""
+    @functools.cached_property
+    def _parts(self) -> tuple:
         return (repr(self.cfg), repr(self.ecfg), repr(self.plans), repr(self.drafters),
                 aot.code_of(self.drafter), self.native_kernels, repr(self.mesh), self.split_pages,
                 self.steps_per_call, self.max_pages, self.num_slots)
+
+    def aot_parts(self) -> tuple:
+        """What shapes these programs besides source and inputs (`aot` keys); computed once per runner."""
+        return self._parts
 
     def before_load(self) -> None:
         """Register the native kernels' FFI targets a stored executable calls (a trace would)."""
