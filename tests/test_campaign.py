@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, plot_curve
+from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, init_head, plot_curve
 
 
 def _round(n, start_tokens, tokens, tau_before, tau_after, shipped):
@@ -33,3 +33,20 @@ def test_curve_and_plot(tmp_path):
     finally:
         c.HEAD = c_head
     assert out.stat().st_size > 1000
+
+
+def test_init_continues_an_unshipped_candidate(tmp_path):
+    """A round continues the last candidate only if it was not shipped and its export survives
+    (a fresh machine falls back to the shipped head), and counts the tokens that candidate saw."""
+    head, work = tmp_path / "head", tmp_path / "work"
+    state = {"tokens_seen": 1_500_000, "rounds": [_round(1, 1_100_000, 400_000, 1.40, 1.38, False)]}
+    assert init_head("latest", state, head, work) == (head, 1_500_000)  # export gone
+    (work / "round1" / "head").mkdir(parents=True)
+    (work / "round1" / "head" / "config.json").write_text("{}")
+    assert init_head("latest", state, head, work) == (work / "round1" / "head", 1_500_000)
+    assert init_head("shipped", state, head, work) == (head, 1_500_000)
+    state["rounds"][0]["tokens_seen"] = 1_900_000  # an unshipped candidate: its own count
+    assert init_head("latest", state, head, work)[1] == 1_900_000
+    state["rounds"][0]["shipped"] = True
+    assert init_head("latest", state, head, work) == (head, 1_500_000)
+    assert init_head("latest", {"tokens_seen": 7, "rounds": []}, head, work) == (head, 7)
