@@ -204,9 +204,9 @@ class LLM:
     model: "default" (the embedded SmolLM2-135M-Instruct), a Hugging Face
         directory, a .gguf file (converted once, then cached) or a LoadedModel
         (`jaxspec.models.loading.load_model`) to reuse.
-    spec: None (plain decoding), an algorithm name ("ngram", "standalone",
-        "eagle", "eagle3", "nextn", "medusa", "mlp_speculator" or a registered
-        plugin), or a dict of [spec] keys.
+    spec: None (plain decoding), an algorithm name (a built-in such as "ngram" or "eagle3", an
+        alias, or a registered plugin: `jaxspec.speculative.algorithm.valid_names()`), or a dict
+        of [spec] keys.
     draft_model: the draft model or head directory ("default", or None for
         eagle3 / medusa: the head shipped for the embedded model).
     dtype: "float32" (use it on CPU) or "bfloat16".
@@ -254,22 +254,22 @@ class LLM:
 
     def _setup(self, cfg: Config, model, mesh, progress: bool, benchmark: bool, profile_phases: bool,
                corpus_label: str) -> None:
-        import jax.numpy as jnp
-
         from jaxspec.engine import Engine
-        from jaxspec.engine.assemble import assemble, stop_token_ids
+        from jaxspec.engine.assemble import assemble, model_dtype, stop_token_ids
         from jaxspec.models.loading import load_model
         from jaxspec.paths import enable_compilation_cache
-        from jaxspec.speculative.algorithm import validate_spec_config
+        from jaxspec.speculative.algorithm import check_benchmark_only
 
         # One engine, donated caches: calls from several threads run one at a time (docs/api.md).
         self._lock = threading.Lock()
         enable_compilation_cache(cfg.serve.compilation_cache, cfg.model.cache_dir or None)
 
-        spec = validate_spec_config(cfg.spec, benchmark=benchmark)  # before minutes of loading
-        cfg = dataclasses.replace(cfg, spec=spec)
+        # A config from `load_config` is validated already; one built by hand is validated here,
+        # the same way, before minutes of loading.
+        cfg = cfg.validate()
+        check_benchmark_only(cfg.spec, benchmark)
         mesh = resolve_mesh(mesh)
-        dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+        dtype = model_dtype(cfg)
         owned = model is None
         if owned:
             model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)

@@ -62,40 +62,65 @@ class SamplingSection:
     ignore_eos: bool = False
 
 
+def opt(default: Any, help: str, *, flag: str = "", metavar: str | None = None,
+        choices: tuple[str, ...] | None = None, owned: bool = False) -> Any:
+    """A config field with its command-line flag: the CLI and the server generate their flags from
+    this metadata (`jaxspec.generate.add_section_args`), so a new option is one field here.
+
+    flag: the flag's name without dashes ("" = the field's name, with dashes); "-" = no flag.
+    owned: only the drafters that list the field in their registration (`reads`) use it, so any
+    other algorithm refuses a non-default value instead of ignoring it."""
+    meta = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "owned": owned}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecSection:
-    algorithm: str = "none"
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
-    verify: str = "auto"  # greedy rule for greedy rows, the coupled rule (= plain sampling's tokens) for sampled ones
-    threshold_single: float = 1.0
-    threshold_acc: float = 1.0
-    draft_model: str = ""
-    draft_layers: int = 0
-    ngram_min_match: int = 1
-    ngram_max_match: int = 4
+    algorithm: str = opt("none", "speculative algorithm (a built-in, an alias or a registered plugin)",
+                         flag="spec")
+    num_steps: int = opt(3, "draft steps per iteration (tree depth)")
+    topk: int = opt(1, "branching per draft step (1 = chain)")
+    num_draft_tokens: int = opt(4, "tree nodes verified per step, root included")
+    # Greedy rule for greedy rows, the coupled rule (= plain sampling's tokens) for sampled ones.
+    verify: str = opt("auto", "auto (default) = coupled: sampled output is plain sampling's with the same seed; "
+                      "rejection: recursive rejection sampling (exact in distribution)",
+                      choices=("auto", "greedy", "target-only", "rejection", "coupled"))
+    threshold_single: float = opt(1.0, "target-only verify; < 1 is NOT lossless")
+    threshold_acc: float = opt(1.0, "target-only verify; < 1 is NOT lossless")
+    draft_model: str = opt("", "standalone: 'default', a HF dir or a .gguf (same tokenizer); a head drafter: a "
+                           "head directory in its published format ('default' or nothing: the head shipped for "
+                           "the embedded model; eagle/nextn without one: the target's own MTP layers)")
+    draft_layers: int = opt(0, "standalone draft = first N layers of the draft (or target)", owned=True)
+    ngram_min_match: int = opt(1, "shortest suffix match that drafts")
+    ngram_max_match: int = opt(4, "longest suffix match tried")
     # Entry n-1 caps the drafts of a length-n match (past the tuple: num_draft_tokens - 1).
     # 1-gram matches are mostly rejected; 3 drafts keep their verify at the width
     # that costs a plain step (see jaxspec.speculative.drafters.ngram).
-    ngram_draft_tokens_by_match: tuple[int, ...] = (3,)
-    ngram_corpus: str = ""
-    simulate_accept_length: int = 0
+    ngram_draft_tokens_by_match: tuple[int, ...] = opt(
+        (3,), "most drafts from a match of length 1, 2, ... ('' = no cap; default 3)", metavar="N1,N2,...")
+    ngram_corpus: str = opt("", "extra n-gram corpus (host-side index)", metavar="FILE.jsonl", owned=True)
+    simulate_accept_length: int = opt(0, "benchmark only: force acceptance length L; output is NOT exact",
+                                      metavar="L")
     # Medusa trees: a JSON list of top-k rank paths ("medusa choices"), e.g. [[0], [1], [0, 0]];
     # "" = the num_draft_tokens - 1 paths of smallest rank sum within topk x num_steps.
-    tree_choices: str = ""
+    tree_choices: str = opt("", "medusa tree as rank paths, e.g. '[[0],[1],[0,0]]'", metavar="JSON", owned=True)
     # How an EAGLE-3 config's eagle_aux_hidden_state_layer_ids count: "output" (SpecForge /
     # SGLang: id i = the output of layer i) or "input" (vLLM: the state entering layer i).
-    eagle3_layer_ids: str = "output"
+    eagle3_layer_ids: str = opt("output", "EAGLE-3 eagle_aux_hidden_state_layer_ids count layer outputs "
+                                "(SpecForge/SGLang, default) or layer inputs (vLLM)", choices=("output", "input"))
     # DSPARK's planner table (steps/s against tokens in the batch; `python -m jaxspec.bench sps`):
     # "default" = the one measured for this platform under configs/sps/ (none: verify every
     # draft), "flat" = verify every draft, or a JSON file.
-    sps_table: str = "default"
+    sps_table: str = opt("default", "the planner table of a head with a confidence head (dspark): 'default' "
+                         "(configs/sps/ for this platform), 'flat' (verify every draft) or a JSON file from "
+                         "`python -m jaxspec.bench sps`", owned=True)
     # The CLI's and the API's engine (the server's policy is serve.adaptive): per batch bucket, plain
     # decoding or this draft shape, whichever is measured to commit more tokens per second
     # (jaxspec.engine.adaptive). "auto": on unless the shape (num_draft_tokens, num_steps, topk,
     # tree_choices) differs from these defaults, i.e. the user fixed one; "on" / "off" force it.
-    adaptive: str = "auto"
+    adaptive: str = opt("auto", "per batch bucket, plain decoding or the draft shape, whichever measures "
+                        "faster; auto (default): on unless a shape flag (--num-draft-tokens, --num-steps, "
+                        "--topk, --tree-choices) changes the default shape", flag="-", choices=("auto", "on", "off"))
 
     def adaptive_on(self) -> bool:
         if self.adaptive != "auto":
@@ -178,7 +203,11 @@ class Config:
         for ok, msg in checks:
             if not ok:
                 raise ConfigValueError(msg)
-        return self
+        # [spec] is checked by the drafter registry, which knows each algorithm's needs; this is
+        # the one place a spec is validated (the engine trusts the config it is given).
+        from jaxspec.speculative.algorithm import validate_spec_config
+
+        return dataclasses.replace(self, spec=validate_spec_config(self.spec))
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:

@@ -32,23 +32,6 @@ FLAG_KEYS = {
     "top_k": "sampling.top_k",
     "seed": "sampling.seed",
     "ignore_eos": "sampling.ignore_eos",
-    "spec": "spec.algorithm",
-    "num_steps": "spec.num_steps",
-    "topk": "spec.topk",
-    "num_draft_tokens": "spec.num_draft_tokens",
-    "verify": "spec.verify",
-    "threshold_single": "spec.threshold_single",
-    "threshold_acc": "spec.threshold_acc",
-    "draft_model": "spec.draft_model",
-    "draft_layers": "spec.draft_layers",
-    "ngram_min_match": "spec.ngram_min_match",
-    "ngram_max_match": "spec.ngram_max_match",
-    "ngram_draft_tokens_by_match": "spec.ngram_draft_tokens_by_match",
-    "ngram_corpus": "spec.ngram_corpus",
-    "simulate_accept_length": "spec.simulate_accept_length",
-    "tree_choices": "spec.tree_choices",
-    "eagle3_layer_ids": "spec.eagle3_layer_ids",
-    "sps_table": "spec.sps_table",
     "adaptive_spec": "spec.adaptive",
 }
 
@@ -68,35 +51,51 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int)
 
 
+def section_flags(section_cls) -> dict[str, tuple[str, dict]]:
+    """{dest: (flag, argparse keywords)} of a config section's fields that have one (`config.opt`)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(section_cls)
+    out = {}
+    for f in dataclasses.fields(section_cls):
+        meta = f.metadata
+        if "help" not in meta or meta["flag"] == "-":
+            continue
+        flag = meta["flag"] or f.name.replace("_", "-")
+        kind = hints[f.name]
+        kw: dict[str, Any] = {"help": meta["help"]}
+        if kind in (int, float):
+            kw["type"] = kind
+        if meta["choices"]:
+            kw["choices"] = list(meta["choices"])
+        if meta["metavar"]:
+            kw["metavar"] = meta["metavar"]
+        out[flag.replace("-", "_")] = (flag, kw)
+    return out
+
+
+def spec_flag_keys() -> dict[str, str]:
+    """(CLI flag dest, config key) of the [spec] flags, generated from the section's fields."""
+    import dataclasses
+
+    from jaxspec.config import SpecSection
+
+    names = {(f.metadata.get("flag") or f.name).replace("-", "_"): f.name for f in dataclasses.fields(SpecSection)}
+    return {dest: f"spec.{names[dest]}" for dest in section_flags(SpecSection)}
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """The [spec] flags, one per field of `SpecSection` (its metadata has the help); --spec lists the
+    registered algorithms."""
+    from jaxspec.config import SpecSection
+    from jaxspec.speculative.algorithm import valid_names
+
     sp = p.add_argument_group("speculative decoding")
-    sp.add_argument("--spec", metavar="none|ngram|standalone|eagle|eagle3|nextn|medusa|mlp_speculator|dflash|dspark",
-                    help="speculative algorithm")
-    sp.add_argument("--num-steps", type=int, help="draft steps per iteration (tree depth)")
-    sp.add_argument("--topk", type=int, help="branching per draft step (1 = chain)")
-    sp.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, root included")
-    sp.add_argument("--verify", choices=["auto", "greedy", "target-only", "rejection", "coupled"],
-                    help="auto (default) = coupled: sampled output is plain sampling's with the same seed; "
-                    "rejection: recursive rejection sampling (exact in distribution)")
-    sp.add_argument("--threshold-single", type=float, help="target-only verify; < 1 is NOT lossless")
-    sp.add_argument("--threshold-acc", type=float, help="target-only verify; < 1 is NOT lossless")
-    sp.add_argument("--draft-model", help="standalone: 'default', a HF dir or a .gguf (same tokenizer); eagle, "
-                    "eagle3, medusa, mlp_speculator, dflash, dspark: a head directory in its published format "
-                    "(eagle/nextn without one: the target's own MTP layers)")
-    sp.add_argument("--tree-choices", metavar="JSON", help="medusa tree as rank paths, e.g. '[[0],[1],[0,0]]'")
-    sp.add_argument("--eagle3-layer-ids", choices=["output", "input"],
-                    help="EAGLE-3 eagle_aux_hidden_state_layer_ids count layer outputs (SpecForge/SGLang, "
-                    "default) or layer inputs (vLLM)")
-    sp.add_argument("--draft-layers", type=int, help="standalone draft = first N layers of the draft (or target)")
-    sp.add_argument("--sps-table", help="dspark's planner table: 'default' (configs/sps/ for this platform), "
-                    "'flat' (verify every draft) or a JSON file from `python -m jaxspec.bench sps`")
-    sp.add_argument("--ngram-min-match", type=int)
-    sp.add_argument("--ngram-max-match", type=int)
-    sp.add_argument("--ngram-draft-tokens-by-match", metavar="N1,N2,...",
-                    help="most drafts from a match of length 1, 2, ... ('' = no cap; default 3)")
-    sp.add_argument("--ngram-corpus", metavar="FILE.jsonl", help="extra n-gram corpus (host-side index)")
-    sp.add_argument("--simulate-accept-length", type=int, metavar="L",
-                    help="benchmark only: force acceptance length L; output is NOT exact")
+    for dest, (flag, kw) in section_flags(SpecSection).items():
+        if dest == "spec":
+            kw = {**kw, "metavar": "|".join(valid_names())}
+        sp.add_argument(f"--{flag}", dest=dest, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +138,7 @@ def config_from_args(args, *, base=None, extra_keys: dict[str, str] | None = Non
         if not eq:
             raise ConfigValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
         overrides[key.strip()] = value
-    for dest, key in {**FLAG_KEYS, **(extra_keys or {})}.items():
+    for dest, key in {**FLAG_KEYS, **spec_flag_keys(), **(extra_keys or {})}.items():
         value = getattr(args, dest, None)
         if value is not None:
             overrides[key] = value
@@ -212,11 +211,12 @@ def run(args) -> int:
     from jaxspec.config import ConfigValueError
     from jaxspec.mesh import setup_mesh
     from jaxspec.prompts import read_jsonl
+    from jaxspec.speculative.algorithm import algorithm_info
 
     mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
     cfg = config_from_args(args)
     cfg = with_model_sampling(cfg, lambda base: config_from_args(args, base=base), args.quiet)
-    spec_on = cfg.spec.algorithm.lower() != "none"
+    spec_on = algorithm_info(cfg.spec.algorithm).speculative
     if args.profile_phases and not spec_on:
         raise ConfigValueError("--profile-phases times the phases of speculative decoding: it needs --spec")
     if args.prompt is not None:

@@ -18,28 +18,9 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "jaxspec"
 
 
-# The draft heads shipped with the repository, per algorithm, for the embedded
-# SmolLM2-135M-Instruct (`--draft-model default`).
-SHIPPED_HEADS = {"eagle3": "eagle3-smollm2-135m", "medusa": "medusa-smollm2-135m",
-                 "dflash": "dflash-smollm2-135m", "dspark": "dspark-smollm2-135m"}
-
-
 def checkpoints_dir() -> Path:
     """The repository's `checkpoints/` (beside the package in a source checkout)."""
     return Path(__file__).resolve().parents[1] / "checkpoints"
-
-
-def shipped_head(algorithm: str) -> Path:
-    """The shipped head directory for `algorithm`; FileNotFoundError naming what is missing."""
-    name = SHIPPED_HEADS.get(algorithm)
-    if name is None:
-        raise FileNotFoundError(f"no head ships for --spec {algorithm}; shipped: "
-                                f"{', '.join(sorted(SHIPPED_HEADS)) or 'none'} (give --draft-model DIR)")
-    path = checkpoints_dir() / name
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"the shipped {algorithm} head is not at {path} (a source checkout has it under "
-                                "checkpoints/; give --draft-model DIR)")
-    return path
 
 
 # DSPARK's planner tables measured per platform (`python -m jaxspec.bench sps`).

@@ -1,4 +1,4 @@
-"""Algorithm names, capabilities, plugin registry and [spec] validation."""
+"""The drafter registry (names, aliases, capabilities, heads, owned fields, plugins) and [spec] validation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from jaxspec.config import SpecSection, load_config
 from jaxspec.speculative import algorithm as A
-from jaxspec.speculative.algorithm import AlgorithmInfo, SpecAlgorithm, SpecConfigError
+from jaxspec.speculative.algorithm import AlgorithmInfo, SpecConfigError
 from jaxspec.speculative.tree import max_draft_tokens
 
 
@@ -30,22 +30,19 @@ def plugin():
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("none", SpecAlgorithm.NONE), ("NGRAM", SpecAlgorithm.NGRAM),
-    ("Standalone", SpecAlgorithm.STANDALONE), ("eagle", SpecAlgorithm.EAGLE),
-    ("EAGLE3", SpecAlgorithm.EAGLE3), ("medusa", SpecAlgorithm.MEDUSA),
-    ("DFlash", SpecAlgorithm.DFLASH), ("dspark", SpecAlgorithm.DSPARK),
-    ("NEXTN", SpecAlgorithm.EAGLE), ("nextn", SpecAlgorithm.EAGLE), (" eagle ", SpecAlgorithm.EAGLE),
-    (SpecAlgorithm.NGRAM, SpecAlgorithm.NGRAM),
+    ("none", "none"), ("NGRAM", "ngram"), ("Standalone", "standalone"), ("eagle", "eagle"),
+    ("EAGLE3", "eagle3"), ("medusa", "medusa"), ("DFlash", "dflash"), ("dspark", "dspark"),
+    ("NEXTN", "eagle"), ("nextn", "eagle"), (" eagle ", "eagle"),
 ])
-def test_from_name_case_and_alias(name, expected):
-    assert SpecAlgorithm.from_name(name) is expected
-    assert A.canonical_name(name) == expected.value
+def test_names_are_case_insensitive_with_aliases(name, expected):
+    assert A.canonical_name(name) == expected
+    assert A.registration(name).name == expected
 
 
 def test_unknown_name_lists_valid_names(plugin):
     plugin("MyDraft")
     with pytest.raises(SpecConfigError) as e:
-        SpecAlgorithm.from_name("eagle2")
+        A.canonical_name("eagle2")
     msg = str(e.value)
     assert "'eagle2'" in msg
     for n in A.builtin_names():
@@ -80,9 +77,9 @@ def test_capabilities_of_every_builtin():
     assert set(EXPECTED) == set(A.builtin_names())
     for name, caps in EXPECTED.items():
         info = A.algorithm_info(name)
-        assert info is SpecAlgorithm(name).info
+        assert info is A.registration(name).info and A.registration(name).builtin
         assert tuple(getattr(info, c) for c in CAPS) == caps, name
-    assert A.algorithm_info("nextn") == A.algorithm_info(SpecAlgorithm.EAGLE)
+    assert A.algorithm_info("nextn") is A.algorithm_info("eagle")
     assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "medusa", "mlp_speculator",
                                      "dflash", "dspark")
 
@@ -107,11 +104,9 @@ def test_register_plugin(plugin):
     info = AlgorithmInfo(supports_tree=True, description="mine")
     assert plugin("MyDraft", info, factory) == "mydraft"
     assert A.algorithm_info("MYDRAFT") is info
-    assert A.plugin_factory("mydraft") is factory
-    assert A.plugin_factory("eagle") is None
+    reg = A.registration("mydraft")
+    assert reg.build is factory and not reg.builtin and reg.load is None
     assert "mydraft" in A.valid_names() and "mydraft" in A.implemented_names()
-    with pytest.raises(SpecConfigError, match="registered plugin"):
-        SpecAlgorithm.from_name("mydraft")
     A.unregister("mydraft")
     with pytest.raises(SpecConfigError, match="unknown"):
         A.algorithm_info("mydraft")
@@ -173,7 +168,7 @@ def test_valid_configs_pass_and_canonicalise():
     # eagle3 / medusa without spec.draft_model mean the heads shipped for the embedded model.
     assert _assert_validated(spec(algorithm="eagle3"), "eagle3").draft_model == ""
     _assert_validated(spec(algorithm="medusa", num_steps=3, num_draft_tokens=4), "medusa")
-    out = _assert_validated(spec(simulate_accept_length=4), "ngram", benchmark=True)
+    out = _assert_validated(spec(simulate_accept_length=4), "ngram")  # a config may hold it; running it is checked
     assert out.simulate_accept_length == 4
     # N-gram depth is bounded by num_draft_tokens alone, not by num_steps.
     out = _assert_validated(spec(num_steps=1, num_draft_tokens=8), "ngram")
@@ -211,7 +206,6 @@ def test_valid_configs_pass_and_canonicalise():
     (dict(ngram_draft_tokens_by_match=(1, 1, 1, 1, 1)), "spec.ngram_draft_tokens_by_match needs at most"),
     (dict(draft_layers=-1), "spec.draft_layers must be >= 0; got -1"),
     (dict(simulate_accept_length=-1), r"spec.simulate_accept_length must be >= 0 \(0 = off\)"),
-    (dict(simulate_accept_length=2), "spec.simulate_accept_length=2 is a benchmark-only mode"),
     (dict(algorithm="standalone"), "algorithm 'standalone' needs a draft model: set spec.draft_model"),
     (dict(algorithm="none", simulate_accept_length=1),
      "spec.simulate_accept_length > 0 needs a speculative algorithm"),
@@ -239,7 +233,7 @@ def test_unimplemented_algorithm_is_refused_by_name(plugin):
 ])
 def test_simulate_accept_length_bound(kw, message):
     with pytest.raises(SpecConfigError, match=message):
-        A.validate_spec_config(spec(**kw), benchmark=True)
+        A.validate_spec_config(spec(**kw))
 
 
 def test_capability_errors_via_plugins(plugin):
@@ -263,3 +257,72 @@ def test_max_accept_length():
     assert A.max_accept_length(3, 4) == 4  # chain: every draft + bonus
     assert A.max_accept_length(2, 7) == 3  # tree: depth-limited
     assert A.max_accept_length(5, 2) == 2  # node-limited
+
+
+def test_simulate_accept_length_runs_only_in_a_benchmark():
+    A.check_benchmark_only(spec(simulate_accept_length=2), benchmark=True)
+    A.check_benchmark_only(spec(), benchmark=False)
+    with pytest.raises(SpecConfigError, match="spec.simulate_accept_length=2 is a benchmark-only mode"):
+        A.check_benchmark_only(spec(simulate_accept_length=2), benchmark=False)
+
+
+# ---------------------------------------------------------------- the registry's other entries
+
+
+def test_each_builtin_declares_its_heads_shipped_head_and_loader():
+    heads = {r.name: r.head_kinds for r in A.registrations() if r.head_kinds}
+    assert heads == {"eagle": ("eagle", "mtp_deepseek", "mtp_mimo"), "eagle3": ("eagle3",), "medusa": ("medusa",),
+                     "mlp_speculator": ("mlp_speculator",), "dflash": ("dflash",), "dspark": ("dspark",)}
+    assert {r.name for r in A.registrations() if r.shipped_head} == {"eagle3", "medusa", "dflash", "dspark"}
+    assert all(A.shipped_head(n).joinpath("config.json").is_file() for n in ("eagle3", "medusa", "dflash", "dspark"))
+    with pytest.raises(FileNotFoundError, match="no head ships for --spec mlp_speculator; shipped: eagle3, medusa"):
+        A.shipped_head("mlp_speculator")
+    assert A.algorithm_for_head("mtp_mimo") == "eagle" and A.algorithm_for_head("nope") is None
+    # Every algorithm with draft weights has a loader; n-gram and plain decoding have none.
+    assert {r.name for r in A.registrations() if r.load is not None} == {
+        n for n in A.builtin_names() if A.algorithm_info(n).needs_draft_model}
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(algorithm="eagle3", tree_choices="[[0]]"),
+     r"spec.tree_choices \(--tree-choices\) is read by medusa only; --spec eagle3 would ignore it"),
+    (dict(algorithm="dflash", sps_table="flat"), r"spec.sps_table \(--sps-table\) is read by dspark only"),
+    (dict(algorithm="eagle3", draft_layers=2), r"spec.draft_layers \(--draft-layers\) is read by standalone only"),
+    (dict(algorithm="medusa", ngram_corpus="c.jsonl"), r"spec.ngram_corpus .* is read by ngram only"),
+    (dict(algorithm="none", tree_choices="[[0]]"), "--spec none would ignore it"),
+])
+def test_a_field_only_other_drafters_read_is_refused(kw, message):
+    with pytest.raises(SpecConfigError, match=message):
+        A.validate_spec_config(spec(**kw))
+
+
+def test_owned_fields_pass_for_their_drafter(plugin):
+    assert A.validate_spec_config(spec(algorithm="medusa", topk=2, num_draft_tokens=4,
+                                       tree_choices="[[0],[1],[0,0]]")).tree_choices
+    assert A.validate_spec_config(spec(algorithm="dspark", num_draft_tokens=4, sps_table="flat")).sps_table == "flat"
+    name = A.register("corpusreader", AlgorithmInfo(drafts_in_steps=False), reads=("ngram_corpus",))
+    try:  # a plugin may read an owned field too
+        assert A.validate_spec_config(spec(algorithm=name, ngram_corpus="c.jsonl")).ngram_corpus == "c.jsonl"
+        assert "corpusreader" in str(pytest.raises(SpecConfigError, A.validate_spec_config,
+                                                   spec(algorithm="eagle3", ngram_corpus="c.jsonl")).value)
+    finally:
+        A.unregister(name)
+    with pytest.raises(SpecConfigError, match="reads must name owned spec fields"):
+        A.register("badreads", AlgorithmInfo(), reads=("topk",))
+
+
+def test_plugin_aliases_register_and_unregister(plugin):
+    assert plugin("mine", AlgorithmInfo()) == "mine"
+    A.unregister("mine")
+    name = A.register("withalias", AlgorithmInfo(), aliases=("WA",))
+    try:
+        assert A.canonical_name("wa") == "withalias"
+        assert "wa (alias of withalias)" in A._describe_valid()
+        with pytest.raises(SpecConfigError, match="already registered"):
+            A.register("wa", AlgorithmInfo())
+        with pytest.raises(SpecConfigError, match="reserved"):
+            A.register("other", AlgorithmInfo(), aliases=("nextn",))
+    finally:
+        A.unregister(name)
+    with pytest.raises(SpecConfigError, match="unknown"):
+        A.canonical_name("wa")

@@ -122,7 +122,7 @@ def torch_block_logits(head_dir: Path, hf, tokens: list[int], root_pos: int, wid
 def _drafter(model, spec):
     spec = dataclasses.replace(spec, verify="greedy")
     head_params, hcfg = load_draft(spec, model, jnp.float32, progress=False)
-    drafter = build_drafter(SpecPlan.from_config(spec), draft_cfg=hcfg, target_cfg=model.config)
+    drafter = build_drafter(SpecPlan.from_config(spec), spec, draft_cfg=hcfg, target_cfg=model.config)
     target = prepare_params(model.params, model.config, unstack=False)
     params = {"own": drafter.prepare_params(head_params, native=False, unstack=None),
               "target": {k: target[k] for k in drafter.shares_target}}
@@ -294,14 +294,14 @@ def test_bad_block_checkpoints_are_named(world, tmp_path):
     d = write_block_head(tmp_path / "ids", world.hf, kind="dflash", layer_ids=(0, 5))
     with pytest.raises(ValueError, match=r"dflash_config.target_layer_ids \[0, 5\] .* has \[5\] outside"):
         load_draft(spec_for("dflash", d, 4), world.model, jnp.float32, progress=False)
-    with pytest.raises(ValueError, match=r"spec.sps_table .* dflash verifies every draft"):
-        Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False,
-               spec=SpecSection(algorithm="dflash", draft_model=str(world.heads["dflash"]), num_draft_tokens=4,
-                                sps_table="flat"),
-               draft=load_draft(spec_for("dflash", world.heads["dflash"], 4), world.model, jnp.float32, progress=False))
+    from jaxspec.speculative.algorithm import validate_spec_config
+
+    with pytest.raises(ValueError, match=r"spec.sps_table .* read by dspark only; --spec dflash would ignore it"):
+        validate_spec_config(SpecSection(algorithm="dflash", draft_model=str(world.heads["dflash"]),
+                                         num_draft_tokens=4, sps_table="flat"))
     with pytest.raises(ValueError, match=r"spec.draft_layers .* --spec dflash would ignore it"):
-        load_draft(SpecSection(algorithm="dflash", draft_model=str(world.heads["dflash"]), num_draft_tokens=4,
-                               draft_layers=5), world.model, jnp.float32, progress=False)
+        validate_spec_config(SpecSection(algorithm="dflash", draft_model=str(world.heads["dflash"]),
+                                         num_draft_tokens=4, draft_layers=5))
     with pytest.raises(ValueError, match="'dspark' drives dspark heads, but .* holds a dflash head: use --spec dflash"):
         load_draft(spec_for("dspark", world.heads["dflash"], 4), world.model, jnp.float32, progress=False)
     # Positive control: the same head under its own algorithm loads, with the layer-id convention applied.

@@ -180,7 +180,7 @@ def eagle3_proposals(model, heads, context, temperature, top_p, seeds):
     (tokens [S, 3], q [S, 3, V] over the target vocabulary, d2t [Vd])."""
     spec = dataclasses.replace(spec_of(heads, "eagle3-chain"), num_draft_tokens=3, num_steps=2)
     head_params, hcfg = load_draft(spec, model, jnp.float32, progress=False)
-    drafter = build_drafter(SpecPlan.from_config(spec), draft_cfg=hcfg, target_cfg=model.config)
+    drafter = build_drafter(SpecPlan.from_config(spec), spec, draft_cfg=hcfg, target_cfg=model.config)
     assert drafter.sample_drafts and drafter.provides_draft_probs
     target = prepare_params(model.params, model.config, unstack=False)
     params = {"own": drafter.prepare_params(head_params, native=False, unstack=None),

@@ -75,7 +75,7 @@ def _drafter_and_params(model, spec):
     spec = dataclasses.replace(spec, verify="greedy")  # deterministic drafts: the reference is greedy
     head_params, hcfg = load_draft(spec, model, jnp.float32, progress=False)
     plan = SpecPlan.from_config(spec)
-    drafter = build_drafter(plan, draft_cfg=hcfg, target_cfg=model.config)
+    drafter = build_drafter(plan, spec, draft_cfg=hcfg, target_cfg=model.config)
     target = prepare_params(model.params, model.config, unstack=False)
     params = {"own": drafter.prepare_params(head_params, native=False, unstack=None),
               "target": {k: target[k] for k in drafter.shares_target}}
@@ -281,11 +281,17 @@ def test_medusa_tree_choices_are_checked(world, choices, match):
                draft=load_draft(spec, world.model, jnp.float32, progress=False))
 
 
-@pytest.mark.parametrize("alg, topk", [("eagle3", 2), ("medusa", 1)])
-def test_tree_choices_where_they_do_not_apply_are_refused(world, alg, topk):
-    """Issue 23: --tree-choices with --spec eagle3 (or a Medusa chain) was silently ignored."""
-    spec = spec_for(alg, world.heads[alg], topk, 2, 4 if topk > 1 else 3, tree_choices="[[0], [1], [0, 0]]")
-    with pytest.raises(RequestError, match="tree_choices"):
+def test_tree_choices_where_they_do_not_apply_are_refused(world):
+    """Issue 23: --tree-choices with --spec eagle3 (or a Medusa chain) was silently ignored. The
+    config refuses it for any drafter that does not read it; Medusa refuses it for a chain."""
+    from jaxspec.speculative.algorithm import SpecConfigError, validate_spec_config
+
+    spec = spec_for("eagle3", world.heads["eagle3"], 2, 2, 4, tree_choices="[[0], [1], [0, 0]]")
+    with pytest.raises(SpecConfigError, match="tree_choices"):
+        validate_spec_config(spec)
+    spec = spec_for("medusa", world.heads["medusa"], 1, 2, 3, tree_choices="[[0], [1], [0, 0]]")
+    validate_spec_config(spec)
+    with pytest.raises(RequestError, match="tree_choices needs a tree"):
         Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=spec,
                draft=load_draft(spec, world.model, jnp.float32, progress=False))
 
@@ -294,14 +300,15 @@ def test_draft_model_default_picks_the_shipped_head(world, tmp_path, monkeypatch
     """`--draft-model default` reads checkpoints/<shipped name>; absent, or for an algorithm without a
     shipped head, the error names the path or the algorithms that have one."""
     import jaxspec.paths as paths
+    from jaxspec.speculative.algorithm import registration
 
     monkeypatch.setattr(paths, "checkpoints_dir", lambda: tmp_path)
     spec = spec_for("eagle3", "default", 1, 3, 4)
     with pytest.raises(ValueError, match=r"shipped eagle3 head is not at .*eagle3-smollm2-135m"):
         load_draft(spec, world.model, jnp.float32, progress=False)
-    with pytest.raises(ValueError, match="no head ships for --spec mlp_speculator; shipped: dflash, dspark, eagle3, medusa"):
+    with pytest.raises(ValueError, match="no head ships for --spec mlp_speculator; shipped: eagle3, medusa, dflash, dspark"):
         load_draft(spec_for("mlp_speculator", "default", 1, 3, 4), world.model, jnp.float32, progress=False)
     # Positive control: a head in the shipped place loads, read as SpecForge writes layer ids.
-    write_eagle3_head(tmp_path / paths.SHIPPED_HEADS["eagle3"], world.hf, layer_ids=[1, 2, 2], convention="output")
+    write_eagle3_head(tmp_path / registration("eagle3").shipped_head, world.hf, layer_ids=[1, 2, 2], convention="output")
     params, hcfg = load_draft(spec, world.model, jnp.float32, progress=False)
     assert hcfg.kind == "eagle3" and hcfg.feature_layers == (1, 2, 2)

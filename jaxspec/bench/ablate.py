@@ -111,13 +111,13 @@ def _nan_none(xs) -> list:
 def check_point(point: Point) -> str | None:
     """Why the point cannot run (the spec validator's message), or None. Drafts load later."""
     from jaxspec.config import SpecSection
-    from jaxspec.speculative.algorithm import check_request_sampling, validate_spec_config
+    from jaxspec.speculative.algorithm import algorithm_info, check_request_sampling, validate_spec_config
 
     if point.kind == "baseline":
         return None
     try:
-        spec = validate_spec_config(SpecSection(**point.spec), benchmark=True)
-        if spec.algorithm == "none":
+        spec = validate_spec_config(SpecSection(**point.spec))
+        if not algorithm_info(spec.algorithm).speculative:
             return "spec.algorithm is 'none': a grid point needs a drafter (plain decoding is the baseline)"
         check_request_sampling(spec.verify, float(point.run["temperature"]))
     except (POINT_ERRORS + (TypeError,)) as e:

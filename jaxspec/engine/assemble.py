@@ -25,6 +25,13 @@ def stop_token_ids(model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def model_dtype(cfg: Config):
+    """The jnp dtype of `model.dtype` (the config validated it: float32 or bfloat16)."""
+    import jax.numpy as jnp
+
+    return jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+
+
 def build_draft(cfg: Config, model, dtype, progress: bool):
     """(params, config) of the draft model or head the spec needs, or None (`drafters.load`)."""
     from jaxspec.speculative.drafters.load import load_draft
@@ -54,11 +61,11 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
     (`serve.adaptive_steps` under `serve.adaptive`, else the configured one), chunked prefill
     (`serve.prefill_chunk`), and pages sized from free memory under `serve.kv_memory_fraction`.
     `split_pages` (a mesh with data > 1): a page pool per data shard; None = `serve.split_pages`."""
-    import jax.numpy as jnp
+    from jaxspec.speculative.algorithm import algorithm_info
 
     spec, s, ecfg = cfg.spec, cfg.serve, cfg.engine
-    spec_on = spec.algorithm.lower() != "none"
-    dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+    spec_on = algorithm_info(spec.algorithm).speculative
+    dtype = model_dtype(cfg)
     draft = build_draft(cfg, model, dtype, progress) if spec_on else None
     corpus = load_corpus(spec.ngram_corpus, model, corpus_label) if spec_on and spec.ngram_corpus else None
     split_pages = bool(getattr(s, "split_pages", True)) if split_pages is None else split_pages

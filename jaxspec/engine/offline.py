@@ -20,6 +20,7 @@ from jaxspec.engine.phases import decode_phases
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import Request, RequestError, Result, RowInput, bucket_for
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.speculative.algorithm import algorithm_info
 
 
 class Engine:
@@ -32,7 +33,7 @@ class Engine:
     def __init__(self, params: dict, cfg, engine_cfg: EngineSection, *, progress: bool = True, spec=None,
                  draft=None, ngram_corpus=None, mesh=None, benchmark: bool = False, split_pages: bool = True,
                  adaptive: bool = False):
-        spec_on = spec is not None and spec.algorithm.lower() != "none"
+        spec_on = spec is not None and algorithm_info(spec.algorithm).speculative
         self._attach(ModelRunner(params, cfg, engine_cfg, spec=spec if spec_on else None, draft=draft,
                                  ngram_corpus=ngram_corpus, mesh=mesh, split_pages=split_pages, benchmark=benchmark,
                                  progress=progress, with_plain=adaptive and spec_on))

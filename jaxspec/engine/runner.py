@@ -59,6 +59,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.speculative.algorithm import algorithm_info
 from jaxspec.speculative.drafters import build_drafter, reserve_tokens
 from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
@@ -152,9 +153,9 @@ class ModelRunner:
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.page_size = engine_cfg.page_size
         # 2. The plan and a drafter per draft length.
-        self.speculative = spec is not None and spec.algorithm.lower() != "none"
+        self.speculative = spec is not None and algorithm_info(spec.algorithm).speculative
         self.corpus = None
-        self.base_plan = self._plan(spec, benchmark, draft is not None, ngram_corpus)
+        self.base_plan = self._plan(spec, benchmark, ngram_corpus)
         candidates = (self.base_plan.max_depth,) if steps_candidates is None else tuple(steps_candidates)
         self.candidates = tuple(sorted(set(candidates + ((0,) if with_plain else ()))))
         self.plans = {k: plan_for_steps(self.base_plan, k) for k in self.candidates}
@@ -199,16 +200,21 @@ class ModelRunner:
 
     # ---- construction --------------------------------------------------------------
 
-    def _plan(self, spec, benchmark: bool, draft_given: bool, ngram_corpus) -> SpecPlan:
+    def _plan(self, spec, benchmark: bool, ngram_corpus) -> SpecPlan:
+        """The plan of a loaded (validated) spec; only the benchmark-only mode is a front end's choice."""
         from jaxspec.config import SpecSection
-        from jaxspec.speculative.algorithm import validate_spec_config
+        from jaxspec.speculative.algorithm import check_benchmark_only, registration
 
         if not self.speculative:  # plain decoding: the k = 0 plan, any sampling allowed
+            self.spec = SpecSection()
             return SpecPlan.from_config(SpecSection(algorithm="none", num_draft_tokens=1, topk=1, num_steps=1))
-        plan = SpecPlan.from_config(validate_spec_config(spec, benchmark=benchmark, draft_given=draft_given))
+        self.spec = spec
+        check_benchmark_only(spec, benchmark)
+        plan = SpecPlan.from_config(spec)
         if ngram_corpus is not None:
-            if plan.algorithm != "ngram":
-                raise RequestError("an n-gram corpus needs spec.algorithm = ngram")
+            if "ngram_corpus" not in registration(plan.algorithm).reads:
+                raise RequestError(f"an n-gram corpus is read by drafters that read spec.ngram_corpus; "
+                                   f"{plan.algorithm} does not")
             self.corpus = shd.shard_batch(np.asarray(ngram_corpus, np.int32).reshape(1, -1), self.mesh)
         return plan
 
@@ -217,7 +223,7 @@ class ModelRunner:
             # Run to completion: no later call reads this call's drafter state, so k = 0 is plain decoding.
             return PlainDrafter()
         try:
-            return build_drafter(plan, draft_cfg=self.draft_cfg, target_cfg=self.cfg,
+            return build_drafter(plan, self.spec, draft_cfg=self.draft_cfg, target_cfg=self.cfg,
                                  catch_up_width=self.max_depth + 1)
         except ValueError as e:
             raise RequestError(str(e)) from None

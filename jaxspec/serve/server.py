@@ -118,12 +118,10 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     LoadedModel to reuse instead of loading cfg.model.path (tests). `split_pages`: under a mesh
     with data > 1, one page pool per data shard (each sequence pinned to a shard) rather than one
     replicated pool; None = `cfg.serve.split_pages` where the config has it, else on."""
-    import jax.numpy as jnp
-
-    from jaxspec.engine.assemble import assemble, stop_token_ids
+    from jaxspec.engine.assemble import assemble, model_dtype, stop_token_ids
     from jaxspec.models.loading import load_model
 
-    dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+    dtype = model_dtype(cfg)
     enable_compilation_cache(cfg)
     if model is None:
         model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)

@@ -1,25 +1,24 @@
-"""Speculative algorithms: names, capabilities, plugin registry, config validation.
+"""The drafter registry: each speculative algorithm, built-in or plugin, is one `register` call.
 
-The family follows SGLang's `SpeculativeAlgorithm`: NONE (plain decode), NGRAM,
-STANDALONE, EAGLE, EAGLE3, MEDUSA, DFLASH, DSPARK, with NEXTN accepted as an alias
-of EAGLE (MTP checkpoints are driven through the EAGLE path). Names are
-case-insensitive; the canonical spelling is the lowercase enum value, which is
-what `[spec] algorithm` holds after `validate_spec_config`.
+A registration is everything the rest of jaxspec may know about a drafter:
+- its name and aliases (case-insensitive; NEXTN is EAGLE's alias, as in SGLang);
+- its capabilities (`AlgorithmInfo`): the loop, the runner and the validator branch on these,
+  never on a name;
+- the head kinds it drives and the head shipped for the embedded model, if any;
+- the `[spec]` fields only it reads (`reads`): any other algorithm refuses them when set,
+  instead of silently ignoring them;
+- its loader (the draft weights a spec names) and its builder (the drafter object of a plan).
 
-What an algorithm needs and supports is plain data (`AlgorithmInfo`), looked up
-with `algorithm_info(name)`, so the engine branches on capabilities
-(`info.supports_tree`) rather than on algorithm identity; what a drafter needs at run
-time (a draft cache, target features, draft probabilities) its drafter object declares
-(`protocol.py`). Plugins add
-algorithms at runtime with `register(name, info, factory)`; they are not enum
-members, so code that must handle plugins goes through `canonical_name` /
-`algorithm_info` / `plugin_factory` instead of `SpecAlgorithm`.
+The built-in drafters register in their own modules (`jaxspec/speculative/drafters/*.py`), which
+the first lookup imports; plugins register the same way from their own modules, found through the
+`jaxspec.drafters` entry point or $JAXSPEC_PLUGINS the first time a name is not known. The config
+is validated once, when it is loaded (`Config.validate` calls `validate_spec_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
+from pathlib import Path
 from typing import Any, Callable
 
 from jaxspec.config import SpecSection
@@ -28,36 +27,6 @@ from jaxspec.speculative.tree import check_draft_config
 
 class SpecConfigError(ValueError):
     """An invalid speculative-decoding setting; the message names the field."""
-
-
-class SpecAlgorithm(enum.Enum):
-    NONE = "none"
-    NGRAM = "ngram"
-    STANDALONE = "standalone"
-    EAGLE = "eagle"
-    EAGLE3 = "eagle3"
-    MEDUSA = "medusa"
-    MLP_SPECULATOR = "mlp_speculator"
-    DFLASH = "dflash"
-    DSPARK = "dspark"
-
-    @classmethod
-    def from_name(cls, name: str | SpecAlgorithm) -> SpecAlgorithm:
-        """Built-in algorithm by name (case-insensitive, NEXTN -> EAGLE).
-
-        A registered plugin name is valid but not an enum member, so it raises
-        too; use `algorithm_info` / `plugin_factory` for plugins.
-        """
-        key = canonical_name(name)
-        if key in _PLUGINS:
-            raise SpecConfigError(
-                f"algorithm {key!r} is a registered plugin, not a built-in SpecAlgorithm; "
-                f"look it up with algorithm_info()/plugin_factory()")
-        return cls(key)
-
-    @property
-    def info(self) -> AlgorithmInfo:
-        return _BUILTIN_INFO[self]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,44 +47,33 @@ class AlgorithmInfo:
     description: str = ""
 
 
-_BUILTIN_INFO: dict[SpecAlgorithm, AlgorithmInfo] = {
-    SpecAlgorithm.NONE: AlgorithmInfo(
-        speculative=False, description="plain autoregressive decode"),
-    SpecAlgorithm.NGRAM: AlgorithmInfo(
-        supports_tree=True, drafts_in_steps=False, variable_draft_width=True,
-        description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
-    SpecAlgorithm.STANDALONE: AlgorithmInfo(
-        needs_draft_model=True, supports_tree=True,
-        description="a smaller LM (or the target's first layers) drafts token by token"),
-    SpecAlgorithm.EAGLE: AlgorithmInfo(
-        needs_draft_model=True, supports_tree=True,
-        description="EAGLE-1 head with EAGLE-2 dynamic trees (also NEXTN/MTP layers of the target)"),
-    SpecAlgorithm.EAGLE3: AlgorithmInfo(
-        needs_draft_model=True, supports_tree=True,
-        description="EAGLE-3 head on multi-layer target features, reduced draft vocabulary"),
-    SpecAlgorithm.MEDUSA: AlgorithmInfo(
-        needs_draft_model=True, supports_tree=True,
-        description="Medusa parallel decoding heads (tree from medusa choices)"),
-    SpecAlgorithm.MLP_SPECULATOR: AlgorithmInfo(
-        needs_draft_model=True,
-        description="IBM MLP speculator: n_predict MLP stages on the last hidden state"),
-    # Block drafters emit a whole chain per forward; their depth is the block, not
-    # a number of steps. Sampled rows draw each position from the block's own
-    # distribution, which is their q. DSPARK's planner cuts rows short (-1
-    # padding), so its verify runs at the narrowest width holding the batch.
-    SpecAlgorithm.DFLASH: AlgorithmInfo(
-        needs_draft_model=True, drafts_in_steps=False,
-        description="DFlash block drafter: the whole chain in one forward over [root, MASK...]"),
-    SpecAlgorithm.DSPARK: AlgorithmInfo(
-        needs_draft_model=True, drafts_in_steps=False, variable_draft_width=True,
-        description="DSpark: a DFlash block with a Markov head and a confidence planner (ragged verify)"),
-}
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One algorithm. `build(plan=, spec=, target_cfg=, draft_cfg=, catch_up_width=)` returns its drafter
+    (a plugin's factory may take **_ for what it does not read); `load(spec, model, dtype, *,
+    cache_dir, progress)` returns (params, config) of its draft weights, or None."""
 
-ALIASES: dict[str, SpecAlgorithm] = {"nextn": SpecAlgorithm.EAGLE}
-# "auto": the greedy rule on greedy rows, a lossless sampling rule on sampled
-# rows, per row in one batch (`sampling_verify` picks the rule). "greedy" is
-# refused for a sampled request: it would silently ignore the temperature.
-VERIFY_MODES = ("auto", "greedy", "target-only", "rejection", "coupled")
+    name: str
+    info: AlgorithmInfo
+    build: Callable[..., Any] | None = None
+    load: Callable[..., Any] | None = None
+    aliases: tuple[str, ...] = ()
+    head_kinds: tuple[str, ...] = ()  # head formats (HeadConfig.kind) it drives
+    shipped_head: str = ""  # a directory under checkpoints/: the head for the embedded model
+    reads: tuple[str, ...] = ()  # owned [spec] fields it uses
+    # A draft without spec.draft_model (the shipped head, the target's own layers): default, a shipped head.
+    default_draft: Callable[[SpecSection], bool] | None = None
+    draft_hint: str = ""  # how else to give it a draft, for the "needs a draft model" error
+    builtin: bool = False
+
+    def has_default_draft(self, spec: SpecSection) -> bool:
+        return self.default_draft(spec) if self.default_draft is not None else bool(self.shipped_head)
+
+
+VERIFY_MODES = SpecSection.__dataclass_fields__["verify"].metadata["choices"]
+# "auto": the greedy rule on greedy rows, a lossless sampling rule on sampled rows, per row in one
+# batch (`sampling_verify` picks the rule). "greedy" is refused for a sampled request: it would
+# silently ignore the temperature.
 
 
 def sampling_verify(verify: str) -> str:
@@ -133,8 +91,14 @@ def check_request_sampling(verify: str, temperature: float) -> None:
             f"spec.verify='greedy' ignores temperature, but the request has temperature={temperature}: "
             "use spec.verify='auto' (or 'rejection'), or temperature 0")
 
-# name -> (info, factory). Module-level on purpose: plugins register at import.
-_PLUGINS: dict[str, tuple[AlgorithmInfo, Callable[..., Any] | None]] = {}
+
+# --------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------
+
+_REGISTRY: dict[str, Registration] = {}  # canonical name -> registration, in registration order
+_ALIASES: dict[str, str] = {}  # alias -> canonical name
+_builtins_loaded = False
 # Plugins from outside the package: modules (or functions) named by this entry-point group in an
 # installed distribution, and modules listed in $JAXSPEC_PLUGINS (comma-separated). They are
 # imported the first time a name is looked up and not known, so the CLI, `jaxspec.LLM` and the
@@ -144,6 +108,14 @@ PLUGIN_ENV = "JAXSPEC_PLUGINS"
 _plugins_loaded = False
 
 
+def _load_builtins() -> None:
+    """Import the built-in drafter modules once; each registers itself at import."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        import jaxspec.speculative.drafters  # noqa: F401
+
+
 def load_plugins() -> None:
     """Import every external plugin once per process; a module registers at import, a function
     named by an entry point is called. A plugin that fails is an error naming it."""
@@ -151,6 +123,7 @@ def load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True  # first: a plugin that looks a name up while importing must not recurse
+    _load_builtins()
     import importlib
     import os
     from importlib.metadata import entry_points
@@ -170,37 +143,93 @@ def load_plugins() -> None:
             raise SpecConfigError(f"{PLUGIN_ENV} module {mod!r} failed to import: {type(e).__name__}: {e}") from None
 
 
+def register(name: str, info: AlgorithmInfo, factory: Callable[..., Any] | None = None, *,
+             aliases: tuple[str, ...] = (), load: Callable[..., Any] | None = None,
+             head_kinds: tuple[str, ...] = (), shipped_head: str = "", reads: tuple[str, ...] = (),
+             default_draft: Callable[[SpecSection], bool] | None = None, draft_hint: str = "",
+             builtin: bool = False) -> str:
+    """Add an algorithm; returns its canonical (lowercase) name. `factory` builds its drafter.
+
+    A name (or alias) registers once, and built-in names are reserved (`unregister` a plugin first
+    to replace it), so a name never silently changes meaning."""
+    if not isinstance(name, str) or not name.strip():
+        raise SpecConfigError(f"plugin algorithm name must be a non-empty string, got {name!r}")
+    if not isinstance(info, AlgorithmInfo):
+        raise SpecConfigError(f"register({name!r}): info must be an AlgorithmInfo, got {info!r}")
+    for what, fn in (("factory", factory), ("load", load), ("default_draft", default_draft)):
+        if fn is not None and not callable(fn):
+            raise SpecConfigError(f"register({name!r}): {what} must be callable, got {fn!r}")
+    owned = [f.name for f in dataclasses.fields(SpecSection) if f.metadata.get("owned")]
+    if not set(reads) <= set(owned):
+        raise SpecConfigError(f"register({name!r}): reads must name owned spec fields ({', '.join(owned)}); "
+                              f"got {list(reads)}")
+    if not builtin:
+        _load_builtins()  # so a plugin cannot take a built-in's name before the built-ins load
+    key = name.strip().lower()
+    keys = (key,) + tuple(a.strip().lower() for a in aliases)
+    for k in keys:
+        taken = _REGISTRY.get(_ALIASES.get(k, k))
+        if taken is not None:
+            if taken.builtin:
+                raise SpecConfigError(f"algorithm name {k!r} is reserved for a built-in algorithm")
+            raise SpecConfigError(f"algorithm {k!r} is already registered as a plugin")
+    _REGISTRY[key] = Registration(key, info, factory, load, keys[1:], tuple(head_kinds), shipped_head,
+                                  tuple(reads), default_draft, draft_hint, builtin)
+    _ALIASES.update({a: key for a in keys[1:]})
+    return key
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin (tests); unknown names are ignored, built-ins refused."""
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    reg = _REGISTRY.get(key)
+    if reg is None:
+        return
+    if reg.builtin:
+        raise SpecConfigError(f"cannot unregister built-in algorithm {key!r}")
+    del _REGISTRY[key]
+    for a in reg.aliases:
+        _ALIASES.pop(a, None)
+
+
 # --------------------------------------------------------------------------
-# Names and lookup
+# Lookup
 # --------------------------------------------------------------------------
+
+
+def registrations() -> tuple[Registration, ...]:
+    _load_builtins()
+    return tuple(_REGISTRY.values())
 
 
 def builtin_names() -> tuple[str, ...]:
-    return tuple(a.value for a in SpecAlgorithm)
+    return tuple(r.name for r in registrations() if r.builtin)
 
 
 def valid_names() -> tuple[str, ...]:
     """Every accepted name: built-ins, aliases, then plugins (lowercase)."""
-    return builtin_names() + tuple(ALIASES) + tuple(sorted(_PLUGINS))
+    regs = registrations()
+    return (builtin_names() + tuple(a for r in regs if r.builtin for a in r.aliases)
+            + tuple(sorted(r.name for r in regs if not r.builtin)))
 
 
 def _describe_valid() -> str:
-    parts = list(builtin_names())
-    parts += [f"{a} (alias of {t.value})" for a, t in ALIASES.items()]
-    parts += [f"{p} (plugin)" for p in sorted(_PLUGINS)]
+    regs = registrations()
+    parts = [r.name for r in regs if r.builtin]
+    parts += [f"{a} (alias of {r.name})" for r in regs for a in r.aliases]
+    parts += [f"{r.name} (plugin)" for r in sorted(regs, key=lambda r: r.name) if not r.builtin]
     return ", ".join(parts)
 
 
-def canonical_name(name: str | SpecAlgorithm) -> str:
+def canonical_name(name: str) -> str:
     """Lowercase canonical name of a built-in, alias or plugin; raise if unknown."""
-    if isinstance(name, SpecAlgorithm):
-        return name.value
     if not isinstance(name, str):
         raise SpecConfigError(f"algorithm name must be a string, got {name!r}")
+    _load_builtins()
     key = name.strip().lower()
-    if key in ALIASES:
-        return ALIASES[key].value
-    if key in _PLUGINS or key in builtin_names():
+    key = _ALIASES.get(key, key)
+    if key in _REGISTRY:
         return key
     if not _plugins_loaded:
         load_plugins()
@@ -208,56 +237,39 @@ def canonical_name(name: str | SpecAlgorithm) -> str:
     raise SpecConfigError(f"unknown speculative algorithm {name!r}; valid: {_describe_valid()}")
 
 
-def algorithm_info(name: str | SpecAlgorithm) -> AlgorithmInfo:
-    key = canonical_name(name)
-    if key in _PLUGINS:
-        return _PLUGINS[key][0]
-    return _BUILTIN_INFO[SpecAlgorithm(key)]
+def registration(name: str) -> Registration:
+    return _REGISTRY[canonical_name(name)]
 
 
-def plugin_factory(name: str) -> Callable[..., Any] | None:
-    """The factory a plugin registered with (None for built-ins or no factory)."""
-    key = canonical_name(name)
-    return _PLUGINS[key][1] if key in _PLUGINS else None
+def algorithm_info(name: str) -> AlgorithmInfo:
+    return registration(name).info
 
 
 def implemented_names() -> tuple[str, ...]:
-    return tuple(n for n in builtin_names() + tuple(sorted(_PLUGINS))
-                 if algorithm_info(n).implemented)
+    regs = registrations()
+    return tuple(r.name for r in regs if r.builtin and r.info.implemented) + tuple(
+        sorted(r.name for r in regs if not r.builtin and r.info.implemented))
 
 
-# --------------------------------------------------------------------------
-# Plugin registry
-# --------------------------------------------------------------------------
+def algorithm_for_head(kind: str) -> str | None:
+    """The algorithm that drives heads of format `kind` (HeadConfig.kind), if any."""
+    return next((r.name for r in registrations() if kind in r.head_kinds), None)
 
 
-def register(name: str, info: AlgorithmInfo, factory: Callable[..., Any] | None = None) -> str:
-    """Add a plugin algorithm; returns its canonical (lowercase) name.
+def shipped_head(name: str) -> Path:
+    """The head directory shipped for `name` and the embedded model; FileNotFoundError naming what is missing."""
+    from jaxspec.paths import checkpoints_dir
 
-    Built-in names and aliases are reserved, and a plugin name registers once
-    (`unregister` first to replace it), so a name never silently changes meaning.
-    """
-    if not isinstance(name, str) or not name.strip():
-        raise SpecConfigError(f"plugin algorithm name must be a non-empty string, got {name!r}")
-    if not isinstance(info, AlgorithmInfo):
-        raise SpecConfigError(f"register({name!r}): info must be an AlgorithmInfo, got {info!r}")
-    if factory is not None and not callable(factory):
-        raise SpecConfigError(f"register({name!r}): factory must be callable, got {factory!r}")
-    key = name.strip().lower()
-    if key in builtin_names() or key in ALIASES:
-        raise SpecConfigError(f"algorithm name {key!r} is reserved for a built-in algorithm")
-    if key in _PLUGINS:
-        raise SpecConfigError(f"algorithm {key!r} is already registered as a plugin")
-    _PLUGINS[key] = (info, factory)
-    return key
-
-
-def unregister(name: str) -> None:
-    """Remove a plugin (tests); unknown names are ignored, built-ins refused."""
-    key = name.strip().lower()
-    if key in builtin_names() or key in ALIASES:
-        raise SpecConfigError(f"cannot unregister built-in algorithm {key!r}")
-    _PLUGINS.pop(key, None)
+    reg = registration(name)
+    if not reg.shipped_head:
+        shipped = [r.name for r in registrations() if r.shipped_head]
+        raise FileNotFoundError(f"no head ships for --spec {reg.name}; shipped: "
+                                f"{', '.join(shipped) or 'none'} (give --draft-model DIR)")
+    path = checkpoints_dir() / reg.shipped_head
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped {reg.name} head is not at {path} (a source checkout has it under "
+                                "checkpoints/; give --draft-model DIR)")
+    return path
 
 
 # --------------------------------------------------------------------------
@@ -303,20 +315,21 @@ def _field_checks(s: SpecSection) -> list[tuple[bool, str]]:
     ]
 
 
-def _has_builtin_default(name: str, s: SpecSection) -> bool:
-    """A draft model without spec.draft_model: the target's first layers
-    (standalone, draft_layers > 0), the target's own MTP layers (eagle, as
-    NEXTN; the loader says so if the target has none), or the head shipped for
-    the embedded model (eagle3, medusa; the loader says so if the target is
-    another model)."""
-    from jaxspec.paths import SHIPPED_HEADS
+def _owned_checks(s: SpecSection, reg: Registration) -> list[tuple[bool, str]]:
+    """A field only some drafters read, set for one that does not, is an error, not a no-op."""
+    out = []
+    for f in dataclasses.fields(SpecSection):
+        if f.metadata.get("owned") and f.name not in reg.reads and getattr(s, f.name) != f.default:
+            owners = [r.name for r in registrations() if f.name in r.reads]
+            flag = f.metadata.get("flag") or f.name.replace("_", "-")
+            out.append((False, f"spec.{f.name} (--{flag}) is read by {' and '.join(owners) or 'no drafter'} only; "
+                               f"--spec {reg.name} would ignore it (leave it unset)"))
+    return out
 
-    return (name == "standalone" and s.draft_layers > 0) or name == "eagle" or name in SHIPPED_HEADS
 
-
-def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
-                    benchmark: bool, draft_given: bool = False) -> list[tuple[bool, str]]:
+def _drafter_checks(s: SpecSection, reg: Registration) -> list[tuple[bool, str]]:
     """Cross-field checks for a speculative algorithm, in reporting order."""
+    name, info = reg.name, reg.info
     checks: list[tuple[bool, str]] = [
         (s.num_draft_tokens >= 2,
          f"spec.num_draft_tokens must be >= 2 for algorithm {name!r} (the root plus at least "
@@ -324,40 +337,35 @@ def _drafter_checks(s: SpecSection, name: str, info: AlgorithmInfo,
         (s.topk == 1 or info.supports_tree,
          f"spec.topk={s.topk} needs a tree drafter, but algorithm {name!r} drafts chains "
          f"only; use spec.topk=1"),
-        (not info.needs_draft_model or draft_given or bool(s.draft_model) or _has_builtin_default(name, s),
-         f"algorithm {name!r} needs a draft model: set spec.draft_model" + (
-             ", or spec.draft_layers > 0 to draft with the target's first layers" if name == "standalone"
-             else " (a head directory in its published format)")),
+        (not info.needs_draft_model or bool(s.draft_model) or reg.has_default_draft(s),
+         f"algorithm {name!r} needs a draft model: set spec.draft_model"
+         + (reg.draft_hint or " (a head directory in its published format)")),
     ]
     if s.simulate_accept_length > 0:
         most = max_accept_length(s.num_steps, s.num_draft_tokens) if info.drafts_in_steps else s.num_draft_tokens
-        checks += [
-            (benchmark,
-             f"spec.simulate_accept_length={s.simulate_accept_length} is a benchmark-only "
-             f"mode (it commits tokens the target did not choose); set it to 0"),
+        checks.append(
             (s.simulate_accept_length <= most,
              f"spec.simulate_accept_length={s.simulate_accept_length} exceeds the most one "
              f"verify can commit, " + (f"1 + min(num_steps, num_draft_tokens - 1) = {most}"
-                                       if info.drafts_in_steps else f"num_draft_tokens = {most}")),
-        ]
+                                       if info.drafts_in_steps else f"num_draft_tokens = {most}")))
     return checks
 
 
-def validate_spec_config(spec: SpecSection, *, benchmark: bool = False, draft_given: bool = False) -> SpecSection:
-    """Check [spec] up front; return it with `algorithm` canonicalised.
+def validate_spec_config(spec: SpecSection) -> SpecSection:
+    """Check [spec]; return it with `algorithm` canonicalised. `Config.validate` calls this when a
+    config is loaded, the one place a spec is validated.
 
-    Raises SpecConfigError naming the field at the first problem. With
-    algorithm "none" only field ranges are checked (the drafter fields are
-    unused), except that simulate_accept_length needs a drafter. benchmark=True
-    is the bench harness: it alone may set simulate_accept_length > 0.
-    draft_given: the caller holds draft weights already (an Engine built with
-    `draft=`), so spec.draft_model need not name them.
+    Raises SpecConfigError naming the field at the first problem. With algorithm "none" only field
+    ranges are checked (the drafter fields are unused), except that simulate_accept_length needs a
+    drafter. Whether simulate_accept_length may run at all is the front end's call
+    (`check_benchmark_only`): a config may hold it, only the benchmarks and the CLI run it.
     """
     try:
         name = canonical_name(spec.algorithm)
     except SpecConfigError as e:
         raise SpecConfigError(f"spec.algorithm: {e}") from None
-    info = algorithm_info(name)
+    reg = registration(name)
+    info = reg.info
     if not info.implemented:
         raise SpecConfigError(
             f"spec.algorithm={name!r} is not implemented yet; implemented: "
@@ -372,12 +380,19 @@ def validate_spec_config(spec: SpecSection, *, benchmark: bool = False, draft_gi
                 check_draft_config(spec.num_steps, spec.topk, spec.num_draft_tokens)
         except ValueError as e:
             raise SpecConfigError(f"spec.num_draft_tokens: {e}") from None
-        checks = _drafter_checks(spec, name, info, benchmark, draft_given)
+        checks = _drafter_checks(spec, reg)
     else:
         checks.append((spec.simulate_accept_length == 0,
                        "spec.simulate_accept_length > 0 needs a speculative algorithm "
                        "(spec.algorithm is 'none')"))
-    for ok, msg in checks:
+    for ok, msg in checks + _owned_checks(spec, reg):
         if not ok:
             raise SpecConfigError(msg)
     return dataclasses.replace(spec, algorithm=name)
+
+
+def check_benchmark_only(spec: SpecSection, benchmark: bool) -> None:
+    """simulate_accept_length commits tokens the target did not choose: only a benchmark may run it."""
+    if spec.simulate_accept_length > 0 and not benchmark:
+        raise SpecConfigError(f"spec.simulate_accept_length={spec.simulate_accept_length} is a benchmark-only "
+                              "mode (it commits tokens the target did not choose); set it to 0")

@@ -52,7 +52,9 @@ class SpecState:
 
 @dataclasses.dataclass(frozen=True)
 class SpecPlan:
-    """Static shape of one speculative iteration, derived from the [spec] config."""
+    """Static shape of one speculative iteration, derived from the [spec] config: the draft's size, the
+    verify rule and the capabilities the loop branches on. What only one drafter reads stays in its
+    [spec] fields, which its registered builder is given."""
 
     algorithm: str
     num_draft_tokens: int  # N, root included
@@ -62,12 +64,7 @@ class SpecPlan:
     sampled_rule: str  # the rule sampled rows get: target-only | rejection (greedy: never sampled)
     threshold_single: float
     threshold_acc: float
-    ngram_min_match: int
-    ngram_max_match: int
-    ngram_draft_tokens_by_match: tuple[int, ...]
     simulate_accept_length: int
-    tree_choices: str = ""  # Medusa trees (spec.tree_choices)
-    sps_table: str = ""  # DSPARK's planner table (spec.sps_table)
     # Capabilities of the algorithm (AlgorithmInfo), so nothing here asks its name.
     drafts_in_steps: bool = True  # tree depth bounded by num_steps (else by num_draft_tokens)
     variable_draft_width: bool = False  # drafts often end in padding: verify at narrower widths
@@ -84,18 +81,15 @@ class SpecPlan:
 
     @classmethod
     def from_config(cls, spec: SpecSection) -> "SpecPlan":
-        from jaxspec.speculative.algorithm import algorithm_info, sampling_verify
+        from jaxspec.speculative.algorithm import algorithm_info, canonical_name, sampling_verify
 
-        algorithm = spec.algorithm.lower()
+        algorithm = canonical_name(spec.algorithm)
         info = algorithm_info(algorithm)
         return cls(
             algorithm=algorithm, num_draft_tokens=spec.num_draft_tokens, topk=spec.topk,
             num_steps=spec.num_steps, verify=spec.verify,
             sampled_rule=sampling_verify(spec.verify), threshold_single=spec.threshold_single,
-            threshold_acc=spec.threshold_acc, ngram_min_match=spec.ngram_min_match,
-            ngram_max_match=spec.ngram_max_match, ngram_draft_tokens_by_match=spec.ngram_draft_tokens_by_match,
-            simulate_accept_length=spec.simulate_accept_length, tree_choices=spec.tree_choices,
-            sps_table=spec.sps_table,
+            threshold_acc=spec.threshold_acc, simulate_accept_length=spec.simulate_accept_length,
             drafts_in_steps=info.drafts_in_steps,
             variable_draft_width=info.variable_draft_width,
         )

@@ -41,6 +41,8 @@ from jaxspec.models.heads.block import (
 )
 from jaxspec.models.heads.config import HeadConfig
 from jaxspec.speculative.drafters.features import chain_proposal, choose_draft
+from jaxspec.speculative.algorithm import AlgorithmInfo
+from jaxspec.speculative.drafters.load import register_head
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
 
@@ -221,3 +223,23 @@ class BlockDrafter(DrafterBase):
                                   sequential=self.sequential_sampled_plan)
         d = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         return jnp.where((d == 0) | (d <= budget[:, None]), tokens, -1)
+
+
+def _make(plan, spec, head, sample) -> BlockDrafter:
+    if spec.sps_table not in ("", "default") and not head.confidence:
+        raise ValueError(f"spec.sps_table (--sps-table) drives the planner of a head with a confidence head; this "
+                         f"{head.kind} head has none, so it verifies every draft and would ignore the table")
+    return BlockDrafter(head, plan.num_draft_tokens, sample, resolve_sps_table(spec.sps_table) if head.confidence
+                        else None)
+
+
+# Block drafters emit a whole chain per forward; their depth is the block, not a number of steps.
+# Sampled rows draw each position from the block's own distribution, which is their q. DSPARK's
+# planner cuts rows short (-1 padding), so its verify runs at the narrowest width holding the batch.
+register_head("dflash", AlgorithmInfo(needs_draft_model=True, drafts_in_steps=False, description=(
+    "DFlash block drafter: the whole chain in one forward over [root, MASK...]")), _make,
+    head_kinds=("dflash",), shipped_head="dflash-smollm2-135m")
+register_head("dspark", AlgorithmInfo(needs_draft_model=True, drafts_in_steps=False, variable_draft_width=True,
+                                      description="DSpark: a DFlash block with a Markov head and a confidence "
+                                      "planner (ragged verify)"), _make,
+              head_kinds=("dspark",), shipped_head="dspark-smollm2-135m", reads=("sps_table",))

@@ -33,6 +33,8 @@ from jaxspec.models.heads.config import HeadConfig
 from jaxspec.speculative.drafters.features import (
     FeatureState, chain_proposal, choose_draft, next_pending, pair_inputs, topk_children, write_pairs_kv,
 )
+from jaxspec.speculative.algorithm import AlgorithmInfo
+from jaxspec.speculative.drafters.load import register_head
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
@@ -176,3 +178,24 @@ class EagleDrafter(DrafterBase):
         )
         return Proposal(tokens, parents, None, state)
 
+
+
+def _make(plan, spec, head, sample) -> EagleDrafter:
+    return EagleDrafter(head, plan.num_steps, plan.topk, plan.num_draft_tokens, sample)
+
+
+def _own_mtp_layers(model, dtype):
+    from jaxspec.models.heads.loading import load_mtp_head
+
+    return load_mtp_head(model.path, model.config, dtype=dtype)
+
+
+# NEXTN / MTP checkpoints are driven through the EAGLE path (SGLang's NEXTN alias); without a head
+# directory, EAGLE drafts with the target's own MTP layers (the loader says so if it has none).
+register_head("eagle", AlgorithmInfo(needs_draft_model=True, supports_tree=True, description=(
+    "EAGLE-1 head with EAGLE-2 dynamic trees (also NEXTN/MTP layers of the target)")), _make,
+    head_kinds=("eagle", "mtp_deepseek", "mtp_mimo"), aliases=("nextn",), fallback=_own_mtp_layers,
+    default_draft=lambda s: True)
+register_head("eagle3", AlgorithmInfo(needs_draft_model=True, supports_tree=True, description=(
+    "EAGLE-3 head on multi-layer target features, reduced draft vocabulary")), _make,
+    head_kinds=("eagle3",), shipped_head="eagle3-smollm2-135m")

@@ -33,6 +33,8 @@ from jaxspec.models.heads.medusa import medusa_logits, medusa_tree_from_choices
 from jaxspec.models.heads.mlp_speculator import mlp_speculator_init_state, mlp_speculator_step
 from jaxspec.models.heads.attn_head import prepare_head_params
 from jaxspec.speculative.drafters.features import FeatureState, chain_proposal, choose_draft, next_pending
+from jaxspec.speculative.algorithm import AlgorithmInfo
+from jaxspec.speculative.drafters.load import register_head
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
 
@@ -175,3 +177,17 @@ class MLPSpeculatorDrafter(_PendingOnly):
             drafts.append(tok)
             qs.append(q)
         return chain_proposal(root, drafts, qs, self.sample_drafts, state)
+
+
+def _medusa(plan, spec, head, sample) -> MedusaDrafter:
+    choices = tuple(parse_choices(spec.tree_choices)) if spec.tree_choices else ()
+    return MedusaDrafter(head, plan.num_steps, plan.topk, plan.num_draft_tokens, sample, choices)
+
+
+register_head("medusa", AlgorithmInfo(needs_draft_model=True, supports_tree=True, description=(
+    "Medusa parallel decoding heads (tree from medusa choices)")), _medusa,
+    head_kinds=("medusa",), shipped_head="medusa-smollm2-135m", reads=("tree_choices",))
+register_head("mlp_speculator", AlgorithmInfo(needs_draft_model=True, description=(
+    "IBM MLP speculator: n_predict MLP stages on the last hidden state")),
+    lambda plan, spec, head, sample: MLPSpeculatorDrafter(head, plan.num_draft_tokens, sample),
+    head_kinds=("mlp_speculator",))

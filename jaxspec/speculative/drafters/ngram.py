@@ -78,6 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from jaxspec.speculative.algorithm import AlgorithmInfo, register
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Proposal
 
@@ -381,6 +382,9 @@ class NgramDrafter(DrafterBase):
     """Prompt lookup on the on-device history (and the optional corpus); stateless."""
 
     plan: "SpecPlan"
+    min_match: int = 1
+    max_match: int = 4
+    draft_tokens_by_match: tuple[int, ...] = ()
 
     def propose(self, params, state, s: "SpecState") -> Proposal:
         plan = self.plan
@@ -391,7 +395,14 @@ class NgramDrafter(DrafterBase):
             hist_len = hist_len + s.corpus.shape[1]
         tokens, parents = ngram_propose(
             history, hist_len, num_draft_tokens=plan.num_draft_tokens, topk=plan.topk,
-            min_match=plan.ngram_min_match, max_match=plan.ngram_max_match,
-            draft_tokens_by_match=plan.ngram_draft_tokens_by_match,
+            min_match=self.min_match, max_match=self.max_match, draft_tokens_by_match=self.draft_tokens_by_match,
         )
         return Proposal(tokens, None if plan.chain else parents, None, None)
+
+
+register(
+    "ngram", AlgorithmInfo(supports_tree=True, drafts_in_steps=False, variable_draft_width=True,
+                           description="n-gram lookup in the prompt/generated tokens (and an optional corpus)"),
+    lambda *, plan, spec, **_: NgramDrafter(plan, spec.ngram_min_match, spec.ngram_max_match,
+                                           spec.ngram_draft_tokens_by_match),
+    reads=("ngram_corpus",), builtin=True)

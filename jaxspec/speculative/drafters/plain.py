@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxspec.speculative.algorithm import AlgorithmInfo, register
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Proposal
 
@@ -27,3 +28,7 @@ class PlainDrafter(DrafterBase):
 
     def __repr__(self) -> str:
         return "PlainDrafter()"
+
+
+register("none", AlgorithmInfo(speculative=False, description="plain autoregressive decode"),
+         lambda **_: PlainDrafter(), builtin=True)

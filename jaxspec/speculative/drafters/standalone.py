@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward, prepare_params
+from jaxspec.speculative.algorithm import AlgorithmInfo, SpecConfigError, register
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, Proposal
 from jaxspec.speculative.drafters.features import choose_draft
@@ -191,8 +192,6 @@ def truncate_layers(params: dict, cfg: ModelConfig, num_layers: int) -> tuple[di
     The layer leaves are slices of the target's stacked arrays, so no training is needed.
     """
     if not 1 <= num_layers <= cfg.num_layers:
-        from jaxspec.speculative.algorithm import SpecConfigError
-
         raise SpecConfigError(f"draft_layers must be in [1, {cfg.num_layers}], got {num_layers}")
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):  # runtime params, unstacked
@@ -211,3 +210,31 @@ def _ancestor_mask(parents: jax.Array) -> jax.Array:
     for _ in range(max(1, (t - 1).bit_length())):
         mask = mask | jnp.einsum("bij,bjk->bik", mask.astype(jnp.int32), mask.astype(jnp.int32)).astype(bool)
     return mask
+
+
+def load_standalone(spec, model, dtype, *, cache_dir: str | None = None, progress: bool = True):
+    """(params, config) of the draft model: spec.draft_model, else the target, cut to spec.draft_layers."""
+    from jaxspec.models.loading import load_model
+
+    if spec.draft_model:
+        d = load_model(spec.draft_model, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        params, dcfg = d.params, d.config
+    else:
+        params, dcfg = model.params, model.config
+    if spec.draft_layers:
+        params, dcfg = truncate_layers(params, dcfg, spec.draft_layers)
+    return params, dcfg
+
+
+def _build(*, plan, draft_cfg, catch_up_width: int = 0, **_) -> StandaloneDrafter:
+    if not isinstance(draft_cfg, ModelConfig):
+        raise SpecConfigError("standalone speculation needs a draft model")
+    return StandaloneDrafter(draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
+                             sample_drafts=plan.sampled_rule in ("rejection", "coupled"),
+                             catch_up_width=catch_up_width, coupled=plan.sampled_rule == "coupled")
+
+
+register("standalone", AlgorithmInfo(needs_draft_model=True, supports_tree=True,
+                                     description="a smaller LM (or the target's first layers) drafts token by token"),
+         _build, load=load_standalone, reads=("draft_layers",), default_draft=lambda s: s.draft_layers > 0,
+         draft_hint=", or spec.draft_layers > 0 to draft with the target's first layers", builtin=True)
