@@ -51,7 +51,7 @@ def test_prompt_sets_name_an_unknown_set():
 
 
 def test_heldout_prompts_come_from_the_split_training_never_sees():
-    from jaxspec.train.data import sharegpt_conversations, sharegpt_heldout_prompts
+    from jaxspec.train.sharegpt import sharegpt_conversations, sharegpt_heldout_prompts
 
     got = sharegpt_heldout_prompts(5)
     assert len(got) == 5

@@ -10,6 +10,7 @@ import pytest
 
 from jaxspec.speculative.types import FeatureRequest
 from jaxspec.train import data as D
+from jaxspec.train import sharegpt as S
 
 CONVS = [
     {"id": "a_0", "conversations": [{"from": "human", "value": "What is a hash table?"},
@@ -29,7 +30,7 @@ MTB = ("Compose an engaging travel blog post about a recent trip to Hawaii, high
        "and must-see attractions.")
 
 
-def synthetic(n: int) -> list[D.Conversation]:
+def synthetic(n: int) -> list[S.Conversation]:
     words = "alpha beta gamma delta river stone cloud paper light code".split()
     out = []
     for i in range(n):
@@ -38,7 +39,7 @@ def synthetic(n: int) -> list[D.Conversation]:
         msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": asst}]
         if i % 3 == 0:
             msgs += [{"role": "user", "content": "more"}, {"role": "assistant", "content": asst.upper()}]
-        out.append(D.Conversation(f"s{i}_0", tuple(msgs)))
+        out.append(S.Conversation(f"s{i}_0", tuple(msgs)))
     return out
 
 
@@ -55,43 +56,43 @@ def test_sharegpt_parser_reads_whole_elements_and_stops_at_truncation(tmp_path):
     text = full.read_text()
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.index('"d_3"') + 40])  # inside the last element
-    got = list(D.sharegpt_conversations("all", path=full, exclude=[]))
+    got = list(S.sharegpt_conversations("all", path=full, exclude=[]))
     assert [c.id for c in got] == ["a_0", "b_0", "d_3"]
     assert [m["role"] for m in got[0].messages] == ["user", "assistant", "user", "assistant"]
     assert got[1].messages == ({"role": "user", "content": "Name three rivers."},
                                {"role": "assistant", "content": "Nile, Amazon, Danube."})
-    assert [c.id for c in D.sharegpt_conversations("all", path=cut, exclude=[])] == ["a_0", "b_0"]
-    assert len(list(D.iter_json_array(cut, chunk_chars=7))) == 3  # tiny chunks: elements span reads
+    assert [c.id for c in S.sharegpt_conversations("all", path=cut, exclude=[])] == ["a_0", "b_0"]
+    assert len(list(S.iter_json_array(cut, chunk_chars=7))) == 3  # tiny chunks: elements span reads
 
 
 def test_benchmarks_are_excluded_and_split_is_disjoint_and_stable(tmp_path):
-    prompts = D.benchmark_prompts()
+    prompts = S.benchmark_prompts()
     assert any("hawaii" in p for p in prompts) and any("def has_close_elements" in p for p in prompts)
     convs = CONVS + [{"id": "m_0", "conversations": [{"from": "human", "value": "Please:\n " + MTB.upper()},
                                                      {"from": "gpt", "value": "Aloha"}]}]
     path = tmp_path / "x.json"
     path.write_text(json.dumps(convs))
-    ids = [c.id for c in D.sharegpt_conversations("all", path=path)]
+    ids = [c.id for c in S.sharegpt_conversations("all", path=path)]
     assert ids == ["a_0", "b_0", "d_3"]  # m_0 holds an MT-Bench question; positive control: the rest stay
-    assert "m_0" in [c.id for c in D.sharegpt_conversations("all", path=path, exclude=[])]
+    assert "m_0" in [c.id for c in S.sharegpt_conversations("all", path=path, exclude=[])]
     many = [f"x{i}_{j}" for i in range(300) for j in range(2)]
-    split = {i: D.split_of(i, 0.2) for i in many}
-    assert split == {i: D.split_of(i, 0.2) for i in many}  # stable
+    split = {i: S.split_of(i, 0.2) for i in many}
+    assert split == {i: S.split_of(i, 0.2) for i in many}  # stable
     assert 30 < sum(v == "heldout" for v in split.values()) < 210
     assert all(split[f"x{i}_0"] == split[f"x{i}_1"] for i in range(300))  # parts of one conversation together
-    tr = {c.id for c in D.sharegpt_conversations("train", path=path, heldout_fraction=0.5, exclude=[])}
-    ho = {c.id for c in D.sharegpt_conversations("heldout", path=path, heldout_fraction=0.5, exclude=[])}
+    tr = {c.id for c in S.sharegpt_conversations("train", path=path, heldout_fraction=0.5, exclude=[])}
+    ho = {c.id for c in S.sharegpt_conversations("heldout", path=path, heldout_fraction=0.5, exclude=[])}
     assert not tr & ho and tr | ho == {"a_0", "b_0", "d_3", "m_0"}
 
 
 def test_real_sharegpt_head():
-    convs = list(D.sharegpt_conversations("all", limit=100))
+    convs = list(S.sharegpt_conversations("all", limit=100))
     assert len(convs) == 100 and convs[0].id == "QWJhYvA_0"
     for c in convs:
         assert c.messages[0]["role"] == "user"
         assert all(m["role"] != n["role"] for m, n in zip(c.messages, c.messages[1:]))
-    train = {c.id for c in D.sharegpt_conversations("train", limit=98)}
-    held = {c.id for c in D.sharegpt_conversations("heldout", limit=2)}
+    train = {c.id for c in S.sharegpt_conversations("train", limit=98)}
+    held = {c.id for c in S.sharegpt_conversations("heldout", limit=2)}
     assert len(held) == 2 and not train & held
 
 

@@ -63,7 +63,8 @@ def time_generation(model, n: int, batch: int, new: int) -> tuple[float, list[np
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
     from jaxspec.sampling_params import SamplingParams
-    from jaxspec.train.data import _template, sharegpt_conversations
+    from jaxspec.train.data import _template
+    from jaxspec.train.sharegpt import sharegpt_conversations
 
     convs = [c for _, c in zip(range(n), sharegpt_conversations("train"))]
     prompts = [_template(model.tokenizer, c.messages[:1], True)[:256] for c in convs]
