@@ -528,3 +528,59 @@ def test_missing_head_directory_says_it_does_not_exist(tmp_path, target):
     _, _, tcfg = target
     with pytest.raises(ConfigError, match="does not exist"):
         load_draft_head(tmp_path / "nonexistent", tcfg)
+
+
+# ---- head families ---------------------------------------------------------------------------------
+
+
+def test_every_kind_has_one_family_and_detection_follows_the_family_order():
+    from jaxspec.models.heads import family as F
+
+    assert [f.name for f in F.families()] == ["mlp_speculator", "medusa", "block", "eagle3", "eagle"]
+    assert sorted(F.kinds()) == sorted(["mlp_speculator", "medusa", "dflash", "dspark", "eagle3", "eagle",
+                                        "mtp_deepseek", "mtp_mimo"])
+    assert F.trainable_kinds() == ("medusa", "dflash", "dspark", "eagle3", "eagle")
+    # An EAGLE-3 config is also a one-layer Llama config: the EAGLE-3 family is asked first.
+    assert detect_format({"num_hidden_layers": 1, "hidden_size": 8, "draft_vocab_size": 4}) == "eagle3"
+    assert detect_format({"num_hidden_layers": 1, "hidden_size": 8}) == "eagle"
+    with pytest.raises(ValueError, match="unknown head kind 'nope'; kinds: mlp_speculator, medusa"):
+        F.family_of("nope")
+    with pytest.raises(ValueError, match="no training loss for mlp_speculator heads"):
+        F.family_of("mlp_speculator").loss_fn()
+
+
+def test_a_family_registered_from_outside_loads_and_exports_with_no_other_edit(target, tmp_path):
+    """Adding a head format is one module and one register_family call: the loader, the fresh-head
+    builders and the exporter find it through its kind."""
+    from jaxspec.models.heads import family as F
+    from jaxspec.models.heads.config import HeadConfig
+    from jaxspec.models.heads.init import head_config, init_head_params
+    from jaxspec.train.export import export_head
+
+    tcfg = target[2]
+    h = tcfg.hidden_size
+
+    def parse(kind, cfg, t, convention):
+        return HeadConfig(kind=kind, layer=dataclasses.replace(t, num_layers=1), target_hidden_size=t.hidden_size,
+                          draft_vocab_size=t.vocab_size, num_heads=int(cfg["toy_heads"]))
+
+    F.register_family(F.HeadFamily(
+        "toy", ("toy",), lambda cfg: "toy" if cfg.get("model_type") == "toyhead" else None, parse,
+        read=lambda t, cfg, hcfg, target: (hcfg, {"w": t.get("w.weight", (hcfg.num_heads, h))}),
+        fresh=lambda kind, target, num_heads=2, **_: parse(kind, {"toy_heads": num_heads}, target, "output"),
+        init=lambda hcfg, seed, token_ids: {"w": np.random.default_rng(seed).standard_normal((hcfg.num_heads, h))},
+        write=lambda params, hcfg, **_: ({"model_type": "toyhead", "toy_heads": hcfg.num_heads},
+                                         {"w.weight": np.asarray(params["w"], np.float32)}, "model.safetensors")))
+    try:
+        hcfg = head_config("toy", tcfg, num_heads=3)
+        params = init_head_params(hcfg, seed=4)
+        export_head(params, hcfg, tmp_path / "toy", extra={"note": "x"})
+        loaded = load_draft_head(tmp_path / "toy", tcfg)
+        assert loaded.config == hcfg and json.loads((tmp_path / "toy" / "config.json").read_text())["note"] == "x"
+        np.testing.assert_array_equal(np.asarray(loaded.params["w"]), np.asarray(params["w"]))
+        with pytest.raises(ValueError, match="already"):
+            F.register_family(F.HeadFamily("toy2", ("toy",), lambda cfg: None, parse))
+    finally:
+        F.unregister_family("toy")
+    with pytest.raises(ConfigError, match="unknown draft-head format"):
+        load_draft_head(tmp_path / "toy", tcfg)

@@ -19,6 +19,7 @@ import pytest
 
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.heads.block import block_logits
+from jaxspec.models.heads.init import init_head_params
 from jaxspec.models.heads.loading import load_draft_head
 from jaxspec.speculative.drafters.block import BlockDrafter
 from jaxspec.speculative.types import Committed
@@ -44,7 +45,7 @@ def test_training_forward_equals_the_drafter(world, kind):  # noqa: F811
     cfg = bsmall(kind)
     hcfg = tr.make_head_config(cfg, model.config)
     shared = tr.shared_target(model)
-    params = _perturbed(B.init_block_params(hcfg, 1), 2)
+    params = _perturbed(init_head_params(hcfg, 1), 2)
     b = world["held"][0]
     tokens, aux = jnp.asarray(b["tokens"][:2]), jnp.asarray(b["aux"][:2].astype(np.float32))
     anchors = jnp.array([[4, 11, 20], [7, 15, 30]], jnp.int32)
@@ -100,7 +101,7 @@ def test_block_drafter_trains_and_speeds_up_the_engine(world, kind):  # noqa: F8
 def test_block_export_round_trip(world, kind, tmp_path):  # noqa: F811
     model = world["model"]
     hcfg = tr.make_head_config(bsmall(kind), model.config)
-    params = _perturbed(B.init_block_params(hcfg, 3), 4)
+    params = _perturbed(init_head_params(hcfg, 3), 4)
     export_head(params, hcfg, tmp_path / kind, num_target_layers=model.config.num_layers)
     loaded = load_draft_head(tmp_path / kind, model.config)
     assert loaded.config == hcfg

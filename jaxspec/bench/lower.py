@@ -123,17 +123,10 @@ def fresh_head(model, kind: str, **kw):
     from jaxspec.models.heads.init import head_config, init_head_params
 
     cfg = model.config
-    if kind in ("dflash", "dspark"):
-        import jax
-
-        from jaxspec.train.block import block_head_config, init_block_params
-
-        L = cfg.num_layers
-        hcfg = block_head_config(kind, cfg, num_layers=1, block_size=8 if kind == "dflash" else 7,
-                                 mask_token_id=min(3, cfg.vocab_size - 1), markov_rank=16,
-                                 feature_layers=(2, L // 2, L - 3) if L >= 4 else (1, L))
-        params = jax.tree.map(lambda x: x.astype(model.params["embed"].dtype), init_block_params(hcfg))
-        return params, hcfg
+    L = cfg.num_layers
+    if kind in ("dflash", "dspark"):  # a one-layer block of 8 (dflash) or gamma 7
+        kw = {"num_layers": 1, "block_size": 8 if kind == "dflash" else 7, "markov_rank": 16,
+              "feature_layers": (2, L // 2, L - 3) if L >= 4 else (1, L), **kw}
     if kind == "eagle3":
         kw = {"draft_vocab_size": cfg.vocab_size // 2, **kw}
         if cfg.num_layers < 4:

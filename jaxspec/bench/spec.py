@@ -146,7 +146,7 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15, cpu_kernels: str 
 def shipped_head_methods(model) -> dict:
     """Rows for the heads shipped in checkpoints/ (`--draft-model default`), when present."""
     from jaxspec.config import SpecSection
-    from jaxspec.paths import SHIPPED_HEADS, shipped_head
+    from jaxspec.speculative.algorithm import registrations, shipped_head
     from jaxspec.speculative.drafters.load import load_draft
 
     shapes = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),
@@ -161,7 +161,7 @@ def shipped_head_methods(model) -> dict:
               "dflash": [("block 8", dict(num_draft_tokens=8)), ("block 4", dict(num_draft_tokens=4))],
               "dspark": [("gamma 7", dict(num_draft_tokens=8)), ("gamma 3", dict(num_draft_tokens=4))]}
     out = {}
-    for alg in SHIPPED_HEADS:
+    for alg in (r.name for r in registrations() if r.shipped_head):
         try:
             shipped_head(alg)
         except FileNotFoundError:
@@ -181,15 +181,15 @@ def block_ceiling(model, prompts, new: int, base: float, roofline: float) -> lis
 
     from jaxspec.config import SpecSection
     from jaxspec.speculative.drafters.load import load_draft
-    from jaxspec.train.block import block_head_config, init_block_params
+    from jaxspec.models.heads.init import head_config, init_head_params
     from jaxspec.train.export import export_head
 
     L = model.config.num_layers
-    hcfg = block_head_config("dflash", model.config, num_layers=1, block_size=16, mask_token_id=3,
-                             feature_layers=(2, L // 2, L - 3))
+    hcfg = head_config("dflash", model.config, num_layers=1, block_size=16, mask_token_id=3,
+                       feature_layers=(2, L // 2, L - 3))
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        export_head(init_block_params(hcfg, 0), hcfg, d, num_target_layers=L)
+        export_head(init_head_params(hcfg, 0), hcfg, d, num_target_layers=L)
         for forced in (2, 4, 8):
             kw = dict(algorithm="dflash", draft_model=d, num_draft_tokens=16, simulate_accept_length=forced)
             draft = load_draft(SpecSection(**kw), model, jnp.float32, progress=False)
@@ -215,7 +215,7 @@ SETS = ("copy-humaneval", "copy-repeat", "mtbench", "humaneval", "sharegpt-heldo
 
 def prompt_sets(tokenizer, names, n: int) -> dict[str, list[list[int]]]:
     from jaxspec.bench import prompts as ps
-    from jaxspec.train.data import sharegpt_heldout_prompts
+    from jaxspec.train.sharegpt import sharegpt_heldout_prompts
 
     makers = {"copy-humaneval": ("copy: HumanEval rewrite", ps.humaneval_rewrite_prompts),
               "copy-repeat": ("copy: repeat text", lambda n: ps.repeat_prompts(min(n, ps.NUM_PASSAGES))),

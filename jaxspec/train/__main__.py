@@ -18,10 +18,12 @@ import json
 import sys
 from pathlib import Path
 
+from jaxspec.models.heads.family import family_of, trainable_kinds
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxspec.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", choices=("eagle3", "eagle", "medusa", "dflash", "dspark"), default=None)
+    p.add_argument("--drafter", choices=trainable_kinds(), default=None)
     p.add_argument("--target", default="default", help="target model: 'default', a HF dir or a .gguf")
     p.add_argument("--data", required=True, help="feature cache dir, .npz batches dir, or 'sharegpt'")
     p.add_argument("--out", required=True, help="run directory (checkpoints, log.jsonl, head/)")
@@ -92,7 +94,7 @@ def _tau_eval(cfg, model, prompts, heldout, out: Path, max_new: int):
 
     def eval_fn(params):
         if not built:
-            ids = np.load(out / "draft_vocab.npy") if cfg.drafter == "eagle3" else None
+            ids = np.load(out / "draft_vocab.npy") if family_of(cfg.drafter).draft_vocab else None
             built["engine"] = tr.HeadEngine(hcfg, model, prompts, draft_ids=ids, max_new_tokens=max_new)
             if heldout:
                 built["held"] = tr.heldout_eval(heldout, hcfg, tr.shared_target(model, ids), cfg)
@@ -118,7 +120,7 @@ def run_train(args) -> int:
 
         # EAGLE-1 and Medusa read the final-norm state only: no aux features on disk for them.
         layers = ()
-        if cfg.drafter == "eagle3":
+        if "aux" in family_of(cfg.drafter).train_features:
             layers = tuple(cfg.feature_layers) or eagle3_layers(model.config.num_layers)
         source = prepare_data(args.target, out_dir=out / "data", num_conversations=args.num_conversations,
                               source=args.source, max_len=cfg.max_len, model=model, progress=progress,
@@ -155,7 +157,7 @@ def export_run(run_dir, out, *, target: str = "default", dtype: str = "float32")
     cfg = tr.train_config(None, json.loads((run / "train_config.json").read_text()))
     model = load_model(target, progress=False)
     hcfg = tr.make_head_config(cfg, model.config)
-    ids = np.load(run / "draft_vocab.npy") if cfg.drafter == "eagle3" else None
+    ids = np.load(run / "draft_vocab.npy") if family_of(cfg.drafter).draft_vocab else None
     shared = tr.shared_target(model, ids)
     params = tr.init_train_params(hcfg, shared, cfg.seed, ids, cfg.eagle3_head_init)
     like = {"params": params, "opt": tr.make_optimizer(cfg)[0].init(params), "step": np.zeros((), np.int32),

@@ -20,64 +20,15 @@ cross-entropy against whether the position's draft (the argmax) is right.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxspec.models.config import ModelConfig
 from jaxspec.models.heads.block import (
     block_attend, block_hidden, block_logits, confidence_logit, context_kv, draft_log_odds, markov_bias, output_offset,
     project_context,
     window_mask,
 )
 from jaxspec.models.heads.config import HeadConfig
-
-def block_head_config(kind: str, target: ModelConfig, *, num_layers: int, block_size: int, mask_token_id: int,
-                      feature_layers: tuple[int, ...], markov_rank: int = 0) -> HeadConfig:
-    """The HeadConfig a fresh DFLASH / DSPARK drafter for `target` parses to (target geometry, Qwen3 norms)."""
-    # What `parse_head_config` reads back from the export: a Qwen3 layer stack, untied.
-    layer = dataclasses.replace(target, model_type="qwen3", num_layers=num_layers, qk_norm=True, qkv_bias=False,
-                                tie_word_embeddings=False)
-    return HeadConfig(kind=kind, layer=layer, target_hidden_size=target.hidden_size,
-                      draft_vocab_size=target.vocab_size, feature_layers=tuple(feature_layers),
-                      sliding_layers=(False,) * num_layers,
-                      block_size=block_size, mask_token_id=mask_token_id,
-                      markov_rank=markov_rank if kind == "dspark" else 0, confidence=kind == "dspark")
-
-
-def block_mask_token(target_cfg: ModelConfig) -> int:
-    """A MASK id for a target without one: 3, past SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>
-    (a special token chat never emits); any id works, the drafter learns what its embedding means."""
-    return min(3, target_cfg.vocab_size - 1)
-
-
-def init_block_params(hcfg: HeadConfig, seed: int = 0) -> dict:
-    """Random HF-layout weights: projections at 1/sqrt(fan-in), norms at one, the Markov head's
-    output at zero (it starts as no bias), the confidence head at c = the draft's own probability."""
-    rng = np.random.default_rng([seed, 7])
-    c = hcfg.layer
-    h, i, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
-
-    def mat(out, inp):
-        return jnp.asarray((rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32))
-
-    def ones(n):
-        return jnp.ones((n,), jnp.float32)
-
-    layers = [{"attn_norm": ones(h), "wq": mat(q, h), "wk": mat(kv, h), "wv": mat(kv, h), "wo": mat(h, q),
-               "q_norm": ones(c.head_dim), "k_norm": ones(c.head_dim), "mlp_norm": ones(h),
-               "w_gate": mat(i, h), "w_up": mat(i, h), "w_down": mat(h, i)} for _ in range(c.num_layers)]
-    p = {"layers": layers, "fc": mat(h, hcfg.feature_width), "hidden_norm": ones(h), "norm": ones(h)}
-    if hcfg.kind == "dspark":
-        r = hcfg.markov_rank
-        p["markov_w1"] = jnp.asarray(rng.standard_normal((c.vocab_size, r)).astype(np.float32))
-        p["markov_w2"] = jnp.zeros((c.vocab_size, r), jnp.float32)
-        p["conf_w"] = jnp.zeros((1, h + 1), jnp.float32).at[0, h].set(1.0)  # c = the draft's own p
-        p["conf_b"] = jnp.zeros((1,), jnp.float32)
-    return p
-
 
 def runtime(params: dict) -> dict:
     """HF [out, in] -> the [in, out] the model functions read (differentiable: a transpose)."""

@@ -11,7 +11,6 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-ALGORITHM = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "dflash": "dflash", "dspark": "dspark"}
 
 
 class HeadEngine:
@@ -25,7 +24,9 @@ class HeadEngine:
         self.hcfg, self.target, self.draft_ids = hcfg, target, draft_ids
         self.prompts = [list(map(int, p)) for p in prompts]
         self.max_new_tokens = max_new_tokens
-        self.spec_kw = dict(algorithm=ALGORITHM[hcfg.kind], num_draft_tokens=num_draft_tokens, topk=topk,
+        from jaxspec.speculative.algorithm import algorithm_for_head
+
+        self.spec_kw = dict(algorithm=algorithm_for_head(hcfg.kind), num_draft_tokens=num_draft_tokens, topk=topk,
                             num_steps=num_steps)
         self.engine = None
 

@@ -268,16 +268,3 @@ def medusa_loss(params, batch, shared, rng, *, hcfg: HeadConfig, lcfg: LossConfi
     w = lcfg.step_weight_decay ** jnp.arange(hcfg.num_heads, dtype=jnp.float32)
     loss = jnp.sum(w * losses)
     return loss, {"loss": loss, "step_loss": losses, "acc": accs}
-
-
-LOSSES = {"eagle3": eagle3_loss, "eagle": eagle_loss, "medusa": medusa_loss}
-
-
-def loss_for(kind: str):
-    if kind in ("dflash", "dspark"):
-        from jaxspec.train.block import block_loss
-
-        return block_loss
-    if kind not in LOSSES:
-        raise ValueError(f"no training loss for drafter {kind!r}; drafters: {', '.join(LOSSES)}")
-    return LOSSES[kind]

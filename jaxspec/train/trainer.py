@@ -28,13 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigValueError, _coerce
+from jaxspec.models.heads.family import family_of, trainable_kinds
 from jaxspec.models.heads.init import head_config, init_head_params
 from jaxspec.train import checkpoint
-from jaxspec.train.losses import LossConfig, loss_for, trainable
+from jaxspec.train.losses import LossConfig, trainable
 from jaxspec.train.warm import load_init_head, warm_params
 
-KINDS = ("eagle3", "eagle", "medusa", "dflash", "dspark")
-BLOCK = ("dflash", "dspark")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +65,7 @@ class TrainConfig:
     eagle3_head_init: str = "random"
     data_parallel: int = 1  # devices on a "data" mesh axis: batch rows split, params replicated
     # DFLASH / DSPARK (jaxspec/train/block.py): draft layers, block (0 = 16 for dflash, gamma 7 for
-    # dspark), the MASK token (-1 = the target's last special token, see block_mask_token), anchors
+    # dspark), the MASK token (-1 = a special token chat never emits, see heads/block.mask_token_for), anchors
     # per sequence, the depth decay, DSPARK's Markov rank.
     block_layers: int = 1
     block_size: int = 0
@@ -89,7 +88,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         checks = [
-            (self.drafter in KINDS, f"drafter must be one of {KINDS}"), (self.lr > 0, "lr must be > 0"),
+            (self.drafter in trainable_kinds(), f"drafter must be one of {trainable_kinds()}"), (self.lr > 0, "lr must be > 0"),
             (0 <= self.warmup_ratio < 1, "warmup_ratio must be in [0, 1)"), (self.total_steps >= 1, "total_steps >= 1"),
             (self.batch_size >= 1, "batch_size >= 1"), (self.max_len >= 4, "max_len >= 4"),
             (self.ttt_length >= 1, "ttt_length >= 1"), (self.draft_vocab_size >= 1, "draft_vocab_size >= 1"),
@@ -275,48 +274,20 @@ def shared_target(target, draft_ids=None) -> dict:
 
 
 def make_head_config(cfg: TrainConfig, target_cfg):
-    if cfg.drafter in BLOCK:
-        from jaxspec.train.block import block_head_config, block_mask_token
-
-        L = target_cfg.num_layers
-        mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else block_mask_token(target_cfg)
-        return block_head_config(cfg.drafter, target_cfg, num_layers=cfg.block_layers,
-                                 block_size=cfg.block_size or (16 if cfg.drafter == "dflash" else 7),
-                                 mask_token_id=mask, markov_rank=cfg.markov_rank,
-                                 feature_layers=tuple(cfg.feature_layers) or (2, L // 2, L - 3))
-    dv = min(cfg.draft_vocab_size, target_cfg.vocab_size)
-    hcfg = head_config(cfg.drafter, target_cfg, draft_vocab_size=dv, num_heads=cfg.num_medusa_heads,
-                       feature_layers=tuple(cfg.feature_layers) or None)
-    if cfg.drafter == "medusa" and cfg.medusa_head == "target":
-        hcfg = dataclasses.replace(hcfg, own_head=False, medusa_version="2")
-    return hcfg
+    """The fresh head the run trains, from its family (`jaxspec.models.heads.family`)."""
+    return head_config(cfg.drafter, target_cfg, draft_vocab_size=cfg.draft_vocab_size, num_heads=cfg.num_medusa_heads,
+                       medusa_head=cfg.medusa_head, feature_layers=tuple(cfg.feature_layers) or None,
+                       num_layers=cfg.block_layers, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                       markov_rank=cfg.markov_rank)
 
 
 def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None, head_init: str = "random") -> dict:
-    """Fresh trainable weights (init_head_params), with EAGLE-3's lm_head at the scale of a default
-    nn.Linear (std 1/sqrt(H): near-uniform first predictions, as SpecForge starts; a copy of the
-    target's LM head rows trained worse on the tests' corpus) and Medusa's heads copied from the
-    target's LM head with zero ResBlocks (Medusa's own init)."""
-    if hcfg.kind in BLOCK:
-        from jaxspec.train.block import init_block_params
-
-        return init_block_params(hcfg, seed)
+    """Fresh trainable weights: the family's random init, then its recipe's own (`train_init`: EAGLE-3's
+    lm_head at the scale of a default nn.Linear, Medusa's heads copied from the target's LM head)."""
+    family = family_of(hcfg.kind)
     p = trainable(init_head_params(hcfg, seed, token_ids=draft_ids))
-    if hcfg.kind == "eagle3":
-        rng = np.random.default_rng([seed, 1])
-        dv, h = p["lm_head"].shape
-        p["lm_head"] = jnp.asarray((rng.standard_normal((dv, h)) / np.sqrt(h)).astype(np.float32))
-        if head_init == "target":
-            ids = np.arange(dv) if draft_ids is None else np.asarray(draft_ids)
-            p["lm_head"] = jnp.asarray(np.asarray(shared["head"], np.float32)[:, ids].T)  # [Vd, H]
-            p["norm"] = jnp.asarray(np.asarray(shared["final_norm"], np.float32))
-    elif hcfg.kind == "medusa":
-        head = np.asarray(shared["head"], np.float32)  # [H, V]
-        if hcfg.own_head:
-            p["lm_head"] = [jnp.asarray(head.T) for _ in p["lm_head"]]
-        else:
-            del p["lm_head"]
-        p["res_w"] = [[jnp.zeros_like(w) for w in ws] for ws in p["res_w"]]
+    if family.train_init is not None:
+        p = family.train_init(p, hcfg, shared, seed, draft_ids, head_init)
     return p
 
 
@@ -335,7 +306,7 @@ def train_step_for(cfg: TrainConfig, hcfg):
     """The jitted step of a config (cached, so runs in one process share its compilations)."""
     cfg = dataclasses.replace(cfg, seed=0, log_every=1, eval_every=0, save_every=1, keep_checkpoints=1)
     tx, sched = make_optimizer(cfg)
-    return make_train_step(loss_for(cfg.drafter), tx, sched, hcfg, cfg.loss_config())
+    return make_train_step(family_of(cfg.drafter).loss_fn(), tx, sched, hcfg, cfg.loss_config())
 
 
 def make_train_step(loss_fn, tx, sched, hcfg, lcfg: LossConfig):
@@ -381,7 +352,7 @@ def _place(tree, mesh, rows: bool):
 def heldout_eval(batches: list[dict], hcfg, shared: dict, cfg: TrainConfig) -> Callable[[dict], dict]:
     """Default eval_fn: mean loss and top-1 per step over held-out batches (no noise, no dropout)."""
     lcfg = dataclasses.replace(cfg.loss_config(), remat=False)
-    fn = jax.jit(lambda p, b: loss_for(hcfg.kind)(p, b, shared, None, hcfg=hcfg, lcfg=lcfg)[1])
+    fn = jax.jit(lambda p, b: family_of(hcfg.kind).loss_fn()(p, b, shared, None, hcfg=hcfg, lcfg=lcfg)[1])
     fitted = [fit_batch(b, cfg.max_len) for b in batches]
 
     def eval_fn(params):
@@ -443,7 +414,7 @@ def check_source(source, target, hcfg) -> None:
         if fp != target_fingerprint(target.params, target.config):
             raise ValueError(f"{where} was built from other target weights (fingerprint {fp}) than --target")
     layers = manifest.get("feature_layers")
-    if (hcfg.kind in ("eagle3",) + BLOCK and layers is not None
+    if (hcfg.feature_layers and layers is not None
             and tuple(layers) != tuple(hcfg.feature_layers)):
         raise ValueError(f"{where} captured layers {tuple(layers)}, the {hcfg.kind} head reads {hcfg.feature_layers}: "
                          "set feature_layers or rebuild the cache")
@@ -481,7 +452,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     warm = load_init_head(init, hcfg, tcfg) if init is not None else None
     if warm is not None and warm[1] is not None and draft_ids is None:
         draft_ids = warm[1]
-    if cfg.drafter == "eagle3":
+    if family_of(cfg.drafter).draft_vocab:
         if draft_ids is None and resume and vocab_file.exists():
             draft_ids = np.load(vocab_file)
         if draft_ids is None:
@@ -523,7 +494,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
     if eval_fn is None and heldout:
         eval_fn = heldout_eval(heldout, hcfg, shared, cfg)
 
-    keys = ("aux", "final") if cfg.drafter == "eagle3" else ("aux",) if cfg.drafter in BLOCK else ("final",)
+    keys = family_of(cfg.drafter).train_features
     mesh = data_mesh(cfg.data_parallel)
     state, shared = _place(state, mesh, False), _place(shared, mesh, False)
     step_fn = train_step_for(cfg, hcfg)

@@ -27,7 +27,7 @@ def load_init_head(path, hcfg, target_cfg) -> tuple[dict, np.ndarray | None]:
         raise ConfigValueError(f"--init {path}: the head reads target layers {head.config.feature_layers}, "
                                f"the run's config {hcfg.feature_layers}")
     ids = None
-    if hcfg.kind == "eagle3":
+    if "d2t" in head.params:  # a reduced draft vocabulary (EAGLE-3): the run keeps the head's
         d2t = np.asarray(head.params["d2t"], np.int64)
         ids = (np.arange(len(d2t)) + d2t).astype(np.int32)
     params = {k: v for k, v in trainable(dict(head.params)).items()}

@@ -35,13 +35,17 @@ Params (Hugging Face layout, as loaded; `prepare_block_params` makes matrices [i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxspec.models.heads.config import HeadConfig, runtime_matrix
+from jaxspec.models.config import ConfigError, LoadError, ModelConfig
+from jaxspec.models.heads.config import HeadConfig, check_equal, feature_layers_from, runtime_matrix
+from jaxspec.models.heads.family import HeadFamily, LAYER_TENSORS, archs, llama_fields, register_family, to_np
 from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
 
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -227,3 +231,176 @@ def prepare_block_params(params: dict, hcfg: HeadConfig, *, native: bool = False
         else:
             out[key] = jnp.asarray(val)
     return out
+
+
+# ---- the family: the DFlash format both ways, fresh drafters, the recipe's init ---------------------
+
+KINDS = ("dflash", "dspark")
+
+
+def detect(cfg: dict) -> str | None:
+    joined = archs(cfg)
+    if "dspark" in joined or "dspark_config" in cfg:
+        return "dspark"
+    if "dflash" in joined or "dflash_config" in cfg:
+        return "dflash"
+    return None
+
+
+def parse(kind: str, cfg: dict, t: ModelConfig, convention: str = "output") -> HeadConfig:
+    """DFlash (z-lab/dflash, SpecForge) and DSpark configs: a Qwen3 decoder stack over a block.
+
+    The checkpoint names target layers as `target_layer_ids`, the OUTPUT of layer i
+    (z-lab reads hidden_states[i + 1]); vLLM adds one on load, which is the "input"
+    convention here. Both become "entering layer k" ids.
+    """
+    sub = dict(cfg.get(f"{kind}_config") or {})
+    get = lambda name, default=None: sub.get(name, cfg.get(name, default))  # noqa: E731
+    fixed = {**cfg, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    fixed.setdefault("vocab_size", t.vocab_size)
+    layer = ModelConfig.from_hf_dict(fixed)
+    layer = dataclasses.replace(layer, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
+    # The drafter embeds with the target's embedding and decodes with its LM head.
+    check_equal("hidden_size", layer.hidden_size, t.hidden_size)
+    check_equal("vocab_size", layer.vocab_size, t.vocab_size)
+    ids = get("target_layer_ids")
+    if not ids:
+        raise ConfigError(f"{kind} config.json has no {kind}_config.target_layer_ids")
+    n_target = int(cfg.get("num_target_layers") or t.num_layers)
+    check_equal("num_target_layers", n_target, t.num_layers)
+    feats = feature_layers_from(ids, t.num_layers, convention, field=f"{kind}_config.target_layer_ids")
+    mask = get("mask_token_id")
+    if mask is None or not 0 <= int(mask) < t.vocab_size:
+        raise ConfigError(f"{kind} config.json: mask_token_id {mask!r} is not a token id in [0, {t.vocab_size})")
+    block = int(get("block_size", 16 if kind == "dflash" else 7))
+    if block < 2 - (kind == "dspark"):
+        raise ConfigError(f"{kind} block_size {block} is too small")
+    types = cfg.get("layer_types") or ["full_attention"] * layer.num_layers
+    if len(types) != layer.num_layers:
+        raise ConfigError(f"{kind} config.json: {len(types)} layer_types for {layer.num_layers} layers")
+    sliding = tuple(ty == "sliding_attention" for ty in types)
+    window = int(cfg.get("sliding_window") or 0) if any(sliding) else 0
+    if any(sliding) and window <= 0:
+        raise ConfigError(f"{kind} config.json has sliding_attention layers but no sliding_window")
+    rank = int(get("markov_rank", 0)) if kind == "dspark" else 0
+    if kind == "dspark":
+        mtype = get("markov_type", "vanilla")
+        if mtype != "vanilla":
+            raise ConfigError(f"dspark markov_type {mtype!r} is not supported (only 'vanilla')")
+        if rank <= 0:
+            raise ConfigError("dspark config.json needs dspark_config.markov_rank > 0")
+    return HeadConfig(kind=kind, layer=layer, target_hidden_size=t.hidden_size, draft_vocab_size=t.vocab_size,
+                      feature_layers=feats, block_size=block, mask_token_id=int(mask), sliding_layers=sliding,
+                      sliding_window=window, input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                      markov_rank=rank, confidence=kind == "dspark" and bool(get("confidence", True)))
+
+
+_LAYER_NAMES = {"attn_norm": "input_layernorm.weight", **LAYER_TENSORS}
+
+
+def read(t, cfg: dict, hcfg: HeadConfig, target) -> tuple[HeadConfig, dict]:
+    """DFlash tensors (z-lab/dflash `DFlashDraftModel`); DSpark adds its Markov and confidence heads."""
+    from jaxspec.models.heads.loading import read_layer
+
+    c, h = hcfg.layer, hcfg.layer.hidden_size
+    layers = []
+    for i in range(c.num_layers):
+        pre = f"layers.{i}."
+        layer = read_layer(t, pre, c, h)
+        layer["attn_norm"] = t.get(pre + "input_layernorm.weight", (h,))
+        layers.append(layer)
+    extra = sorted(n for n in t.names if n.startswith("layers.") and int(n.split(".")[1]) >= c.num_layers)
+    if extra:
+        raise LoadError(f"{hcfg.kind} checkpoint {t.where} has {extra[0]!r} past num_hidden_layers={c.num_layers}")
+    params = {"layers": layers, "fc": t.get("fc.weight", (h, hcfg.feature_width)),
+              "hidden_norm": t.get("hidden_norm.weight", (h,)), "norm": t.get("norm.weight", (h,))}
+    if hcfg.kind == "dspark":
+        v, r = c.vocab_size, hcfg.markov_rank
+        params.update(markov_w1=t.get("markov_head.w1.weight", (v, r)), markov_w2=t.get("markov_head.w2.weight", (v, r)))
+        if hcfg.confidence:
+            params.update(conf_w=t.get("confidence_head.weight", (1, h + 1)), conf_b=t.get("confidence_head.bias", (1,)))
+    return hcfg, params
+
+
+def mask_token_for(target_cfg: ModelConfig) -> int:
+    """A MASK id for a target without one: 3, past SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>
+    (a special token chat never emits); any id works, the drafter learns what its embedding means."""
+    return min(3, target_cfg.vocab_size - 1)
+
+
+def fresh(kind: str, target: ModelConfig, *, num_layers: int = 1, block_size: int = 0, mask_token_id: int = -1,
+          feature_layers=None, markov_rank: int = 0, **_) -> HeadConfig:
+    """The HeadConfig a fresh DFLASH / DSPARK drafter for `target` parses to (target geometry, Qwen3 norms);
+    block_size 0 = 16 (dflash) or 7 (dspark), mask_token_id -1 = `mask_token_for(target)`."""
+    L = target.num_layers
+    # What `parse` reads back from the export: a Qwen3 layer stack, untied.
+    layer = dataclasses.replace(target, model_type="qwen3", num_layers=num_layers, qk_norm=True, qkv_bias=False,
+                                tie_word_embeddings=False)
+    return HeadConfig(kind=kind, layer=layer, target_hidden_size=target.hidden_size,
+                      draft_vocab_size=target.vocab_size,
+                      feature_layers=tuple(feature_layers or (2, L // 2, L - 3)),
+                      sliding_layers=(False,) * num_layers,
+                      block_size=block_size or (16 if kind == "dflash" else 7),
+                      mask_token_id=mask_token_id if mask_token_id >= 0 else mask_token_for(target),
+                      markov_rank=markov_rank if kind == "dspark" else 0, confidence=kind == "dspark")
+
+
+def init(hcfg: HeadConfig, seed: int = 0, token_ids=None) -> dict:
+    """Random HF-layout weights: projections at 1/sqrt(fan-in), norms at one, the Markov head's
+    output at zero (it starts as no bias), the confidence head at c = the draft's own probability."""
+    rng = np.random.default_rng([seed, 7])
+    c = hcfg.layer
+    h, i, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+
+    def mat(out, inp):
+        return jnp.asarray((rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32))
+
+    def ones(n):
+        return jnp.ones((n,), jnp.float32)
+
+    layers = [{"attn_norm": ones(h), "wq": mat(q, h), "wk": mat(kv, h), "wv": mat(kv, h), "wo": mat(h, q),
+               "q_norm": ones(c.head_dim), "k_norm": ones(c.head_dim), "mlp_norm": ones(h),
+               "w_gate": mat(i, h), "w_up": mat(i, h), "w_down": mat(h, i)} for _ in range(c.num_layers)]
+    p = {"layers": layers, "fc": mat(h, hcfg.feature_width), "hidden_norm": ones(h), "norm": ones(h)}
+    if hcfg.kind == "dspark":
+        r = hcfg.markov_rank
+        p["markov_w1"] = jnp.asarray(rng.standard_normal((c.vocab_size, r)).astype(np.float32))
+        p["markov_w2"] = jnp.zeros((c.vocab_size, r), jnp.float32)
+        p["conf_w"] = jnp.zeros((1, h + 1), jnp.float32).at[0, h].set(1.0)  # c = the draft's own p
+        p["conf_b"] = jnp.zeros((1,), jnp.float32)
+    return p
+
+
+def write(params: dict, hcfg: HeadConfig, *, num_target_layers: int | None = None, **_) -> tuple[dict, dict, str]:
+    """The DFlash format (z-lab/dflash, SpecForge): Qwen3 config with `block_size` and
+    `dflash_config {mask_token_id, target_layer_ids}` (the OUTPUT convention, z-lab's
+    hidden_states[i + 1]); DSpark adds `dspark_config {markov_rank, ...}` and its heads."""
+    c = hcfg.layer
+    if any(k < 1 for k in hcfg.feature_layers):
+        raise ValueError(f"feature layers {hcfg.feature_layers} include the embedding (0), which the output "
+                         "convention cannot write")
+    t = {"fc.weight": to_np(params["fc"]), "hidden_norm.weight": to_np(params["hidden_norm"]),
+         "norm.weight": to_np(params["norm"])}
+    for i, layer in enumerate(params["layers"]):
+        t.update({f"layers.{i}.{_LAYER_NAMES[k]}": to_np(v) for k, v in layer.items()})
+    sub = {"mask_token_id": hcfg.mask_token_id, "target_layer_ids": [k - 1 for k in hcfg.feature_layers],
+           "block_size": hcfg.block_size}
+    cfg = {**llama_fields(c), "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+           "num_hidden_layers": c.num_layers, "block_size": hcfg.block_size, "dflash_config": sub}
+    if num_target_layers is not None:
+        cfg["num_target_layers"] = num_target_layers
+    if hcfg.kind == "dspark":
+        cfg["architectures"] = ["DSparkDraftModel"]
+        cfg["dspark_config"] = {**cfg.pop("dflash_config"), "markov_rank": hcfg.markov_rank,
+                                "markov_type": "vanilla", "confidence": bool(hcfg.confidence)}
+        t["markov_head.w1.weight"] = to_np(params["markov_w1"])
+        t["markov_head.w2.weight"] = to_np(params["markov_w2"])
+        if hcfg.confidence:
+            t["confidence_head.weight"] = to_np(params["conf_w"])
+            t["confidence_head.bias"] = to_np(params["conf_b"])
+    return cfg, t, "model.safetensors"
+
+
+FAMILY = register_family(HeadFamily(
+    "block", KINDS, detect, parse, read=read, fresh=fresh, init=init, write=write,
+    loss="jaxspec.train.block:block_loss", train_features=("aux",)))

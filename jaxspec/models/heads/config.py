@@ -1,8 +1,13 @@
 """HeadConfig: one frozen description of a draft head, parsed from its config.json.
 
-Format detection is by config fields only (the loader then checks the tensors). The
-EAGLE-3 captured-layer ids are normalised to one convention, "state entering layer k"
-(k in [0, L]); checkpoints are written in two (see `parse_head_config`).
+Format detection is by config fields only (the loader then checks the tensors), and parsing is
+each family's own (`jaxspec.models.heads.family`). Captured-layer ids are normalised to one
+convention, "state entering layer k" (k in [0, L]); checkpoints are written in two
+(`feature_layers_from`).
+
+One flat frozen struct for every family, not one per family: it is a static argument of every
+jitted step, the drafters read it directly, and the fields a family does not use keep their
+defaults (grouped below by family).
 """
 
 from __future__ import annotations
@@ -12,8 +17,6 @@ from typing import Any
 
 from jaxspec.models.config import ConfigError, ModelConfig
 
-KINDS = ("eagle", "eagle3", "mtp_deepseek", "mtp_mimo", "medusa", "mlp_speculator", "dflash", "dspark")
-BLOCK_KINDS = ("dflash", "dspark")
 CONVENTIONS = ("output", "input")
 
 
@@ -74,40 +77,7 @@ def runtime_matrix(w, native: bool):
     return pack_weight(w)
 
 
-def _archs(cfg: dict) -> list[str]:
-    return [str(a) for a in (cfg.get("architectures") or [])]
-
-
-def detect_format(config_json: dict[str, Any]) -> str:
-    """The head kind a config.json describes; ConfigError naming the fields seen otherwise."""
-    archs = _archs(config_json)
-    model_type = str(config_json.get("model_type") or "")
-    joined = " ".join(archs).lower()
-    if model_type == "mlp_speculator" or "mlpspeculator" in joined:
-        return "mlp_speculator"
-    if model_type == "medusa" or "medusa_num_heads" in config_json or "medusa" in joined:
-        return "medusa"
-    if "dspark" in joined or "dspark_config" in config_json:
-        return "dspark"
-    if "dflash" in joined or "dflash_config" in config_json:
-        return "dflash"
-    if "eagle3" in joined or "draft_vocab_size" in config_json or "eagle_config" in config_json:
-        return "eagle3"
-    if int(config_json.get("num_nextn_predict_layers") or 0) > 0:
-        return "mtp_mimo" if model_type == "mimo" or "mimo" in joined else "mtp_deepseek"
-    if "eagle" in joined or model_type == "eagle":
-        return "eagle"
-    # EAGLE-1's own configs are plain Llama configs with one layer (eagle/train/*_config.json).
-    if int(config_json.get("num_hidden_layers") or 0) == 1 and "hidden_size" in config_json:
-        return "eagle"
-    seen = {k: config_json.get(k) for k in ("architectures", "model_type", "num_hidden_layers")}
-    raise ConfigError(
-        f"unknown draft-head format: config.json has {seen} and none of draft_vocab_size, "
-        f"eagle_config, medusa_num_heads, n_predict/emb_dim (mlp_speculator), num_nextn_predict_layers"
-    )
-
-
-def _layer_config(cfg: dict, target: ModelConfig) -> ModelConfig:
+def layer_config(cfg: dict, target: ModelConfig) -> ModelConfig:
     """The head's own decoder-layer geometry; RoPE comes from the head's config, not the target's."""
     fixed = {**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     fixed.setdefault("vocab_size", target.vocab_size)
@@ -117,7 +87,7 @@ def _layer_config(cfg: dict, target: ModelConfig) -> ModelConfig:
     return dataclasses.replace(layer, num_layers=1, qkv_bias=bias, qk_norm=False)
 
 
-def _check(what: str, head: int, target: int) -> None:
+def check_equal(what: str, head: int, target: int) -> None:
     if head != target:
         raise ConfigError(f"draft head {what} {head} != target {what} {target}")
 
@@ -141,120 +111,20 @@ def feature_layers_from(ids, num_target_layers: int, convention: str,
     return tuple(i + 1 for i in ids) if convention == "output" else tuple(ids)
 
 
+def detect_format(config_json: dict[str, Any]) -> str:
+    """The head kind a config.json describes (each family's `detect`, in order)."""
+    from jaxspec.models.heads.family import detect_format as detect
+
+    return detect(config_json)
+
+
 def parse_head_config(
     config_json: dict[str, Any], target_cfg: ModelConfig, *, aux_layer_convention: str = "output"
 ) -> HeadConfig:
+    """The HeadConfig of a head directory's config.json, parsed by the family of its kind."""
+    from jaxspec.models.heads.family import family_of
+
     if aux_layer_convention not in CONVENTIONS:
         raise ConfigError(f"aux_layer_convention must be one of {CONVENTIONS}, got {aux_layer_convention!r}")
     kind = detect_format(config_json)
-    t = target_cfg
-    if kind in ("mtp_deepseek", "mtp_mimo"):
-        # The MTP block lives in the target checkpoint and shares its geometry.
-        return HeadConfig(kind=kind, layer=dataclasses.replace(t, num_layers=1), target_hidden_size=t.hidden_size,
-                          draft_vocab_size=t.vocab_size)
-    if kind == "medusa":
-        heads = int(config_json.get("medusa_num_heads") or config_json.get("num_heads") or 0)
-        layers = int(config_json.get("medusa_num_layers") or config_json.get("num_hidden_layers") or 1)
-        if heads <= 0:
-            raise ConfigError("medusa config.json has no medusa_num_heads / num_heads")
-        for what, key in (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
-            # FasterDecoding's config carries neither (they are the base model's); vLLM's has both.
-            if key in config_json and config_json.get("model_type") == "medusa":
-                _check(what, int(config_json[key]), getattr(t, key))
-        trunc = config_json.get("truncated_vocab_size")
-        if trunc is not None and int(trunc) != t.vocab_size:
-            raise ConfigError(f"medusa truncated_vocab_size {trunc} != target vocab_size {t.vocab_size}: "
-                              "token_map heads are not supported")
-        return HeadConfig(kind=kind, layer=dataclasses.replace(t, num_layers=1), target_hidden_size=t.hidden_size,
-                          draft_vocab_size=t.vocab_size, num_heads=heads, num_medusa_layers=layers,
-                          medusa_version=str(config_json.get("version", "1")), own_head=True)
-    if kind == "mlp_speculator":
-        emb = int(config_json.get("emb_dim") or 0)
-        inner = int(config_json.get("inner_dim") or 0) or emb
-        n = int(config_json.get("n_predict") or 0)
-        if emb <= 0 or n <= 0:
-            raise ConfigError(f"mlp_speculator config.json needs emb_dim and n_predict, got {emb} and {n}")
-        _check("emb_dim (hidden size)", emb, t.hidden_size)
-        _check("vocab_size", int(config_json.get("vocab_size", t.vocab_size)), t.vocab_size)
-        return HeadConfig(kind=kind, layer=dataclasses.replace(t, num_layers=1), target_hidden_size=t.hidden_size,
-                          draft_vocab_size=t.vocab_size, num_heads=n, emb_dim=emb, inner_dim=inner,
-                          tie_weights=bool(config_json.get("tie_weights", False)),
-                          scale_input=bool(config_json.get("scale_input", False)), own_head=True, own_embed=True)
-
-    if kind in BLOCK_KINDS:
-        return parse_block_config(kind, config_json, t, aux_layer_convention)
-    layer = _layer_config(config_json, t)
-    _check("vocab_size", layer.vocab_size, t.vocab_size)
-    if kind == "eagle":
-        # fc(cat(emb, h)) with the target's embedding and LM head: widths must match.
-        _check("hidden_size", layer.hidden_size, t.hidden_size)
-        return HeadConfig(kind=kind, layer=layer, target_hidden_size=t.hidden_size, draft_vocab_size=t.vocab_size,
-                          fc_bias=bool(config_json.get("bias", True)))
-    # eagle3
-    th = int(config_json.get("target_hidden_size") or layer.hidden_size)
-    _check("target_hidden_size", th, t.hidden_size)
-    for flag, ok in (("fc_norm", False), ("norm_output", True)):
-        if flag in config_json and bool(config_json[flag]) != ok:
-            raise ConfigError(f"EAGLE-3 config field {flag}={config_json[flag]!r} is not supported")
-    eagle_cfg = config_json.get("eagle_config") or {}
-    if eagle_cfg.get("use_aux_hidden_state", True) is False:
-        raise ConfigError("EAGLE-3 config has eagle_config.use_aux_hidden_state=false (no fc): not supported")
-    ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
-    L = t.num_layers
-    feats = (feature_layers_from(ids, L, aux_layer_convention) if ids is not None
-             else feature_layers_from([2, L // 2, L - 3], L, "input"))
-    if len(feats) != 3:
-        raise ConfigError(f"EAGLE-3 captures 3 target layers, eagle_aux_hidden_state_layer_ids has {list(ids)}")
-    dv = int(config_json.get("draft_vocab_size") or t.vocab_size)
-    if not 0 < dv <= t.vocab_size:
-        raise ConfigError(f"draft_vocab_size {dv} is not in [1, target vocab_size {t.vocab_size}]")
-    return HeadConfig(kind=kind, layer=layer, target_hidden_size=th, draft_vocab_size=dv, feature_layers=feats,
-                      own_head=True, norm_before_residual=bool(config_json.get("norm_before_residual", False)))
-
-
-def parse_block_config(kind: str, cfg: dict, t: ModelConfig, convention: str = "output") -> HeadConfig:
-    """DFlash (z-lab/dflash, SpecForge) and DSpark configs: a Qwen3 decoder stack over a block.
-
-    The checkpoint names target layers as `target_layer_ids`, the OUTPUT of layer i
-    (z-lab reads hidden_states[i + 1]); vLLM adds one on load, which is the "input"
-    convention here. Both become "entering layer k" ids.
-    """
-    sub = dict(cfg.get(f"{kind}_config") or {})
-    get = lambda name, default=None: sub.get(name, cfg.get(name, default))  # noqa: E731
-    fixed = {**cfg, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-    fixed.setdefault("vocab_size", t.vocab_size)
-    layer = ModelConfig.from_hf_dict(fixed)
-    layer = dataclasses.replace(layer, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
-    # The drafter embeds with the target's embedding and decodes with its LM head.
-    _check("hidden_size", layer.hidden_size, t.hidden_size)
-    _check("vocab_size", layer.vocab_size, t.vocab_size)
-    ids = get("target_layer_ids")
-    if not ids:
-        raise ConfigError(f"{kind} config.json has no {kind}_config.target_layer_ids")
-    n_target = int(cfg.get("num_target_layers") or t.num_layers)
-    _check("num_target_layers", n_target, t.num_layers)
-    feats = feature_layers_from(ids, t.num_layers, convention, field=f"{kind}_config.target_layer_ids")
-    mask = get("mask_token_id")
-    if mask is None or not 0 <= int(mask) < t.vocab_size:
-        raise ConfigError(f"{kind} config.json: mask_token_id {mask!r} is not a token id in [0, {t.vocab_size})")
-    block = int(get("block_size", 16 if kind == "dflash" else 7))
-    if block < 2 - (kind == "dspark"):
-        raise ConfigError(f"{kind} block_size {block} is too small")
-    types = cfg.get("layer_types") or ["full_attention"] * layer.num_layers
-    if len(types) != layer.num_layers:
-        raise ConfigError(f"{kind} config.json: {len(types)} layer_types for {layer.num_layers} layers")
-    sliding = tuple(ty == "sliding_attention" for ty in types)
-    window = int(cfg.get("sliding_window") or 0) if any(sliding) else 0
-    if any(sliding) and window <= 0:
-        raise ConfigError(f"{kind} config.json has sliding_attention layers but no sliding_window")
-    rank = int(get("markov_rank", 0)) if kind == "dspark" else 0
-    if kind == "dspark":
-        mtype = get("markov_type", "vanilla")
-        if mtype != "vanilla":
-            raise ConfigError(f"dspark markov_type {mtype!r} is not supported (only 'vanilla')")
-        if rank <= 0:
-            raise ConfigError("dspark config.json needs dspark_config.markov_rank > 0")
-    return HeadConfig(kind=kind, layer=layer, target_hidden_size=t.hidden_size, draft_vocab_size=t.vocab_size,
-                      feature_layers=feats, block_size=block, mask_token_id=int(mask), sliding_layers=sliding,
-                      sliding_window=window, input_embedding_scale=float(get("input_embedding_scale", 1.0)),
-                      markov_rank=rank, confidence=kind == "dspark" and bool(get("confidence", True)))
+    return family_of(kind).parse(kind, config_json, target_cfg, aux_layer_convention)

@@ -1,6 +1,6 @@
 """Load draft heads from safetensors (numpy; no torch) into the HF-layout params of each head module.
 
-`load_draft_head` reads a head directory (EAGLE, EAGLE-3, Medusa, MLP speculator);
+`load_draft_head` reads a head directory through its family's `read` (`family.py`);
 `load_mtp_head` reads the MTP layers stored inside a target checkpoint. Every mismatch is a
 one-line ConfigError / LoadError naming both sides, or the tensor.
 """
@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxspec.models.config import ConfigError, LoadError, ModelConfig
 from jaxspec.models.heads.config import HeadConfig, parse_head_config
+from jaxspec.models.heads.family import family_of
 from jaxspec.models.loading import checkpoint_files
 
 # Our layer key -> HF name inside a decoder layer (jaxspec.models.config.HF_LAYER_KEYS minus
@@ -127,7 +128,7 @@ def _layer_shapes(c: ModelConfig, w_in: int) -> dict[str, tuple[int, ...]]:
             "w_down": (d, i)}
 
 
-def _read_layer(t: _Tensors, prefix: str, c: ModelConfig, w_in: int) -> dict:
+def read_layer(t: _Tensors, prefix: str, c: ModelConfig, w_in: int) -> dict:
     keys = ["wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
     keys += ["bq", "bk", "bv"] if c.qkv_bias else []
     keys += ["q_norm", "k_norm"] if c.qk_norm else []
@@ -135,7 +136,7 @@ def _read_layer(t: _Tensors, prefix: str, c: ModelConfig, w_in: int) -> dict:
     return {k: t.get(prefix + _LAYER[k], shapes[k]) for k in keys}
 
 
-def _check_embed(t: _Tensors, name: str, hcfg: HeadConfig, target: ModelConfig, params: dict) -> HeadConfig:
+def check_embed(t: _Tensors, name: str, hcfg: HeadConfig, target: ModelConfig, params: dict) -> HeadConfig:
     """An own embedding if the checkpoint has one; otherwise the target's, whose width must fit."""
     h = hcfg.layer.hidden_size
     if name in t:
@@ -147,98 +148,18 @@ def _check_embed(t: _Tensors, name: str, hcfg: HeadConfig, target: ModelConfig, 
     return hcfg
 
 
-def _load_eagle(t: _Tensors, cfg_json: dict, hcfg: HeadConfig, target: ModelConfig) -> tuple[HeadConfig, dict]:
-    c, h = hcfg.layer, hcfg.layer.hidden_size
-    params = {"fc": t.get("fc.weight", (h, 2 * h))}
-    if "fc.bias" in t:
-        params["fc_bias"] = t.get("fc.bias", (h,))
-    elif cfg_json.get("bias") is True:
-        t.raw("fc.bias")  # config says bias: a missing tensor is an error, not a silent zero
-    hcfg = dataclasses.replace(hcfg, fc_bias="fc_bias" in params)
-    params.update(_read_layer(t, "layers.0.", c, h))
-    if "layers.0.input_layernorm.weight" in t:
-        raise LoadError("EAGLE-1 head has layers.0.input_layernorm.weight, which its layer 0 does not use "
-                        "(cnets1.py skips it): not an EAGLE-1 checkpoint?")
-    return _check_embed(t, "embed_tokens.weight", hcfg, target, params), params
-
-
-def _load_eagle3(t: _Tensors, hcfg: HeadConfig, target: ModelConfig) -> tuple[HeadConfig, dict]:
-    c, h, dv, v = hcfg.layer, hcfg.layer.hidden_size, hcfg.draft_vocab_size, target.vocab_size
-    pre = "midlayer." if "midlayer.self_attn.q_proj.weight" in t else "layers.0."
-    params = {
-        "fc": t.get("fc.weight", (h, hcfg.feature_width)),
-        "enorm": t.get(pre + "input_layernorm.weight", (h,)),
-        "hnorm": t.get(pre + "hidden_norm.weight", (h,)),
-        "norm": t.get("norm.weight", (h,)),
-        "lm_head": t.get("lm_head.weight", (dv, h)),
-    }
-    params.update(_read_layer(t, pre, c, 2 * h))
-    if "d2t" in t:
-        d2t = t.raw("d2t", (dv,)).astype(np.int64)
-        ids = np.arange(dv) + d2t
-        bad = np.flatnonzero((ids < 0) | (ids >= v))
-        if bad.size:
-            raise LoadError(f"EAGLE-3 d2t maps draft ids {bad[:4].tolist()} to target ids {ids[bad[:4]].tolist()} "
-                            f"outside the target vocabulary [0, {v})")
-        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        if (counts > 1).any():  # two draft ids on one target id would drop q mass: lossy rejection
-            dup = uniq[counts > 1][:4]
-            raise LoadError(f"EAGLE-3 d2t maps several draft ids to one target id (target ids {dup.tolist()}); "
-                            "the map must be injective")
-        params["d2t"] = jnp.asarray(d2t.astype(np.int32))
-    elif dv != v:
-        t.raw("d2t")  # a reduced vocabulary without its map cannot be used
-    if "t2d" in t:
-        params["t2d"] = jnp.asarray(t.raw("t2d", (v,)).astype(bool))
-    return _check_embed(t, "embed_tokens.weight", hcfg, target, params), params
-
-
-def _load_block(t: _Tensors, hcfg: HeadConfig) -> dict:
-    """DFlash tensors (z-lab/dflash `DFlashDraftModel`); DSpark adds its Markov and confidence heads."""
-    c, h = hcfg.layer, hcfg.layer.hidden_size
-    layers = []
-    for i in range(c.num_layers):
-        pre = f"layers.{i}."
-        layer = _read_layer(t, pre, c, h)
-        layer["attn_norm"] = t.get(pre + "input_layernorm.weight", (h,))
-        layers.append(layer)
-    extra = sorted(n for n in t.names if n.startswith("layers.") and int(n.split(".")[1]) >= c.num_layers)
-    if extra:
-        raise LoadError(f"{hcfg.kind} checkpoint {t.where} has {extra[0]!r} past num_hidden_layers={c.num_layers}")
-    params = {"layers": layers, "fc": t.get("fc.weight", (h, hcfg.feature_width)),
-              "hidden_norm": t.get("hidden_norm.weight", (h,)), "norm": t.get("norm.weight", (h,))}
-    if hcfg.kind == "dspark":
-        v, r = c.vocab_size, hcfg.markov_rank
-        params.update(markov_w1=t.get("markov_head.w1.weight", (v, r)), markov_w2=t.get("markov_head.w2.weight", (v, r)))
-        if hcfg.confidence:
-            params.update(conf_w=t.get("confidence_head.weight", (1, h + 1)), conf_b=t.get("confidence_head.bias", (1,)))
-    return params
-
-
 def load_draft_head(path, target_cfg: ModelConfig, *, aux_layer_convention: str = "output",
                     dtype=jnp.float32) -> LoadedHead:
     path = Path(path)
     cfg_json = _read_config(path)
     hcfg = parse_head_config(cfg_json, target_cfg, aux_layer_convention=aux_layer_convention)
-    if hcfg.kind in ("mtp_deepseek", "mtp_mimo"):
-        raise ConfigError(f"{path} is a target with MTP layers: load it with load_mtp_head")
+    family = family_of(hcfg.kind)
+    if family.read is None:
+        raise ConfigError(f"{path}: {hcfg.kind} heads are parsed but not read from a head directory")
     t = _Tensors(_strip_prefix(_head_files(path), "model."), path, dtype)
-    if hcfg.kind == "eagle":
-        hcfg, params = _load_eagle(t, cfg_json, hcfg, target_cfg)
-    elif hcfg.kind == "eagle3":
-        hcfg, params = _load_eagle3(t, hcfg, target_cfg)
-    elif hcfg.kind in ("dflash", "dspark"):
-        params = _load_block(t, hcfg)
-    elif hcfg.kind == "medusa":
-        from jaxspec.models.heads.medusa import read_medusa
-
-        t.files = _strip_prefix(t.files, "medusa_heads.")
-        hcfg, params = read_medusa(t, cfg_json, hcfg)
-    else:
-        from jaxspec.models.heads.mlp_speculator import read_mlp_speculator
-
-        t.files = _strip_prefix(t.files, "speculator.")
-        params = read_mlp_speculator(t, hcfg)
+    if family.tensor_prefix:
+        t.files = _strip_prefix(t.files, family.tensor_prefix)
+    hcfg, params = family.read(t, cfg_json, hcfg, target_cfg)
     return LoadedHead(config=hcfg, params=params, path=path)
 
 
@@ -301,7 +222,7 @@ def load_mtp_head(target_dir, target_cfg: ModelConfig, *, layer: int = 0, dtype=
     shapes = {"fc": (h, 2 * h), "enorm": (h,), "hnorm": (h,), "norm": (h,)}
     params = {k: t.get(pre + n, shapes[k]) for k, n in names.items()}
     params["attn_norm"] = t.get(pre + "input_layernorm.weight", (h,))
-    params.update(_read_layer(t, pre, c, h))
+    params.update(read_layer(t, pre, c, h))
     if head_name and head_name in t:
         params["lm_head"] = t.get(head_name, (c.vocab_size, h))
         hcfg = dataclasses.replace(hcfg, own_head=True)

@@ -13,13 +13,17 @@ same norm without weight or bias (so ln0 has no tensors). GELU is the exact (erf
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxspec.models.heads.config import HeadConfig, runtime_matrix
+from jaxspec.models.config import ConfigError
+from jaxspec.models.heads.config import HeadConfig, check_equal, runtime_matrix
+from jaxspec.models.heads.family import HeadFamily, archs, register_family
 from jaxspec.models.layers import linear
 
 LN_EPS = 1e-6
@@ -95,3 +99,47 @@ def mlp_speculator_step(
     s = linear(state, params["proj"][i]) + (emb_w / state_w) * z
     s = jax.nn.gelu(_ln(s, params["ln_w"][i], params["ln_b"][i]), approximate=False)
     return s, linear(s, params["head"][i]).astype(jnp.float32)
+
+
+# ---- the family: read and parsed (not trained here: no exporter, no loss) ---------------------------
+
+
+def detect(cfg: dict) -> str | None:
+    return "mlp_speculator" if (cfg.get("model_type") == "mlp_speculator" or "mlpspeculator" in archs(cfg)) else None
+
+
+def parse(kind: str, cfg: dict, t, convention: str) -> HeadConfig:
+    emb = int(cfg.get("emb_dim") or 0)
+    inner = int(cfg.get("inner_dim") or 0) or emb
+    n = int(cfg.get("n_predict") or 0)
+    if emb <= 0 or n <= 0:
+        raise ConfigError(f"mlp_speculator config.json needs emb_dim and n_predict, got {emb} and {n}")
+    check_equal("emb_dim (hidden size)", emb, t.hidden_size)
+    check_equal("vocab_size", int(cfg.get("vocab_size", t.vocab_size)), t.vocab_size)
+    return HeadConfig(kind=kind, layer=dataclasses.replace(t, num_layers=1), target_hidden_size=t.hidden_size,
+                      draft_vocab_size=t.vocab_size, num_heads=n, emb_dim=emb, inner_dim=inner,
+                      tie_weights=bool(cfg.get("tie_weights", False)),
+                      scale_input=bool(cfg.get("scale_input", False)), own_head=True, own_embed=True)
+
+
+def fresh(kind: str, target, *, num_heads: int = 4, **_) -> HeadConfig:
+    layer = dataclasses.replace(target, num_layers=1, qk_norm=False, qkv_bias=False)
+    return HeadConfig(kind=kind, layer=layer, target_hidden_size=target.hidden_size,
+                      draft_vocab_size=target.vocab_size, num_heads=num_heads, emb_dim=target.hidden_size,
+                      inner_dim=target.hidden_size, own_head=True, own_embed=True, scale_input=True)
+
+
+def init(hcfg: HeadConfig, seed: int, token_ids=None) -> dict:
+    rng = np.random.default_rng(seed)
+    v, n, d = hcfg.layer.vocab_size, hcfg.num_heads, hcfg.inner_dim
+    mat = lambda out, inp, gain=1.0: (rng.standard_normal((out, inp)) * gain / np.sqrt(inp)).astype(np.float32)  # noqa: E731
+    return {"emb": [mat(v, d, np.sqrt(d)) for _ in range(n)],
+            "proj": [mat(d, hcfg.emb_dim if s == 0 else d) for s in range(n)],
+            "head": [mat(v, d, 4.0) for _ in range(n)], "ln_w": [np.ones((d,), np.float32) for _ in range(n)],
+            "ln_b": [np.zeros(d, np.float32) for _ in range(n)]}
+
+
+FAMILY = register_family(HeadFamily(
+    "mlp_speculator", ("mlp_speculator",), detect, parse,
+    read=lambda t, cfg, hcfg, target: (hcfg, read_mlp_speculator(t, hcfg)), tensor_prefix="speculator.",
+    fresh=fresh, init=init))
