@@ -18,18 +18,8 @@ import numpy as np
 
 from jaxspec.models.config import ConfigError, LoadError, ModelConfig
 from jaxspec.models.heads.config import HeadConfig, parse_head_config
-from jaxspec.models.heads.family import family_of
+from jaxspec.models.heads.family import LAYER_TENSORS, family_of
 from jaxspec.models.loading import checkpoint_files
-
-# Our layer key -> HF name inside a decoder layer (jaxspec.models.config.HF_LAYER_KEYS minus
-# the input norm, which each kind names differently).
-_LAYER = {
-    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
-    "bv": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-    "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
-    "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
-}
 
 
 @dataclasses.dataclass
@@ -133,7 +123,7 @@ def read_layer(t: _Tensors, prefix: str, c: ModelConfig, w_in: int) -> dict:
     keys += ["bq", "bk", "bv"] if c.qkv_bias else []
     keys += ["q_norm", "k_norm"] if c.qk_norm else []
     shapes = _layer_shapes(c, w_in)
-    return {k: t.get(prefix + _LAYER[k], shapes[k]) for k in keys}
+    return {k: t.get(prefix + LAYER_TENSORS[k], shapes[k]) for k in keys}
 
 
 def check_embed(t: _Tensors, name: str, hcfg: HeadConfig, target: ModelConfig, params: dict) -> HeadConfig:
