@@ -89,12 +89,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     """The [spec] flags, one per field of `SpecSection` (its metadata has the help); --spec lists the
     registered algorithms."""
     from jaxspec.config import SpecSection
-    from jaxspec.speculative.algorithm import valid_names
+    from jaxspec.speculative.algorithm import registrations, valid_names
 
     sp = p.add_argument_group("speculative decoding")
     for dest, (flag, kw) in section_flags(SpecSection).items():
-        if dest == "spec":
-            kw = {**kw, "metavar": "|".join(valid_names())}
+        if dest == "spec":  # each registered algorithm with its description
+            algs = "; ".join(f"{r.name}{' (' + ', '.join(r.aliases) + ')' if r.aliases else ''}: {r.info.description}"
+                             for r in registrations())
+            kw = {**kw, "metavar": "|".join(valid_names()), "help": f"{kw['help']}. {algs}"}
         sp.add_argument(f"--{flag}", dest=dest, **kw)
 
 

@@ -326,3 +326,20 @@ def test_plugin_aliases_register_and_unregister(plugin):
         A.unregister(name)
     with pytest.raises(SpecConfigError, match="unknown"):
         A.canonical_name("wa")
+
+
+def test_cli_flags_come_from_the_config_and_the_registry(plugin):
+    """--spec lists every registered algorithm with its description (a plugin's too); each [spec] field
+    with a flag maps back to its config key."""
+    from jaxspec.generate import build_parser, spec_flag_keys
+
+    plugin("helpme", AlgorithmInfo(description="a drafter only this test knows"))
+    text = " ".join(build_parser().format_help().split())
+    assert "helpme: a drafter only this test knows" in text and "eagle (nextn): EAGLE-1" in text
+    keys = spec_flag_keys()
+    assert keys["spec"] == "spec.algorithm" and keys["tree_choices"] == "spec.tree_choices"
+    assert "adaptive" not in keys and set(keys.values()) <= {f"spec.{f.name}" for f in dataclasses.fields(SpecSection)}
+    args = build_parser().parse_args(["--prompt", "x", "--spec", "ngram", "--ngram-draft-tokens-by-match", "2,1"])
+    from jaxspec.generate import config_from_args
+
+    assert config_from_args(args).spec.ngram_draft_tokens_by_match == (2, 1)

@@ -17,6 +17,7 @@ store between calls.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -111,3 +112,52 @@ def with_row_state(draft_like, rows, cache: KVCache | None):
         return cache if _is_cache(x) else next(flat_rows)
 
     return jax.tree.map(pick, draft_like, is_leaf=_is_cache)
+
+
+# ---- the runner's call signatures over the slot store ------------------------------------------------
+
+
+def prefill_adapter(chunk_prefill):
+    """The shared chunked prefill with the drafter state third (what `with_slots` expects)."""
+
+    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling):
+        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling)
+        return cache, first, draft
+
+    return fn
+
+
+def decode_adapter(decode):
+    def fn(params, draft_params, draft, state):
+        out = decode(params, draft_params, dataclasses.replace(state, draft=draft))
+        return dataclasses.replace(out, draft=None), out.draft
+
+    return fn
+
+
+def with_slots(fn, drafter):
+    """fn(params, draft_params, draft, *args) -> (..., draft) as a function of the
+    slot store instead: store = (draft cache, per-row leaves [num_slots + 1, ...]),
+    slots [B] int32 -> (store, ...). The rows are gathered before and scattered back
+    after, inside the same executable (padding rows use the spare last slot).
+
+    The store comes first in the outputs as in the arguments: jit pairs donated inputs
+    with outputs by shape in order, so a draft cache shaped like the target's (a
+    standalone draft as deep as the target) would otherwise alias the target's
+    buffer, and XLA copies both caches in and out of every call."""
+
+    def run(params, draft_params, store, slots, *args):
+        *out, draft = fn(params, draft_params, gather_rows(drafter, store, slots), *args)
+        return (scatter_rows(store, slots, draft), *out)
+
+    return run
+
+
+def stateless(decode):
+    """A decode that keeps no drafter state (the plain drafter of a run-to-completion call):
+    the store passes through untouched, so one call signature serves every k."""
+
+    def run(params, draft_params, store, slots, state):
+        return store, dataclasses.replace(decode(params, draft_params, state), draft=None)
+
+    return run

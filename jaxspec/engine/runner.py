@@ -52,7 +52,8 @@ from jaxspec import aot
 from jaxspec import mesh as shd
 from jaxspec.cache.paged import PageAllocator, ShardedPageAllocator, check_cache_fits
 from jaxspec.config import EngineSection
-from jaxspec.engine.core import gather_rows, make_chunk_prefill_fn, row_state, scatter_rows, spec_state
+from jaxspec.engine.core import (decode_adapter, make_chunk_prefill_fn, prefill_adapter, row_state, spec_state,
+                                 stateless, with_slots)
 from jaxspec.engine.device_sampling import DeviceSampling
 from jaxspec.engine.types import RequestError, RowInput, RowOutput, bucket_for
 from jaxspec.models.config import ModelConfig
@@ -71,52 +72,6 @@ def plan_for_steps(base: SpecPlan, k: int) -> SpecPlan:
     if k == base.max_depth:
         return base
     return dataclasses.replace(base, num_draft_tokens=k + 1, topk=1, num_steps=max(k, 1))
-
-
-def _prefill_adapter(chunk_prefill):
-    """The shared chunked prefill with the drafter state third (what `_with_slots` expects)."""
-
-    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling):
-        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling)
-        return cache, first, draft
-
-    return fn
-
-
-def _decode_adapter(decode):
-    def fn(params, draft_params, draft, state):
-        out = decode(params, draft_params, dataclasses.replace(state, draft=draft))
-        return dataclasses.replace(out, draft=None), out.draft
-
-    return fn
-
-
-def _with_slots(fn, drafter):
-    """fn(params, draft_params, draft, *args) -> (..., draft) as a function of the
-    slot store instead: store = (draft cache, per-row leaves [num_slots + 1, ...]),
-    slots [B] int32 -> (store, ...). The rows are gathered before and scattered back
-    after, inside the same executable (padding rows use the spare last slot).
-
-    The store comes first in the outputs as in the arguments: jit pairs donated inputs
-    with outputs by shape in order, so a draft cache shaped like the target's (a
-    standalone draft as deep as the target) would otherwise alias the target's
-    buffer, and XLA copies both caches in and out of every call."""
-
-    def run(params, draft_params, store, slots, *args):
-        *out, draft = fn(params, draft_params, gather_rows(drafter, store, slots), *args)
-        return (scatter_rows(store, slots, draft), *out)
-
-    return run
-
-
-def _stateless(decode):
-    """A decode that keeps no drafter state (the plain drafter of a run-to-completion call):
-    the store passes through untouched, so one call signature serves every k."""
-
-    def run(params, draft_params, store, slots, state):
-        return store, dataclasses.replace(decode(params, draft_params, state), draft=None)
-
-    return run
 
 
 class ModelRunner:
@@ -192,7 +147,7 @@ class ModelRunner:
         self.store = self._new_store()
         # 4. The jitted programs; `pinned`: outputs keep the mesh layout, so each accepts its own outputs.
         self._decode = {k: self._decode_fn(k) for k in self.candidates}
-        self._prefill = self.pinned(_with_slots(_prefill_adapter(make_chunk_prefill_fn(cfg, self.drafter)),
+        self._prefill = self.pinned(with_slots(prefill_adapter(make_chunk_prefill_fn(cfg, self.drafter)),
                                                 self.drafter), replicated=(0, 1))
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
@@ -277,8 +232,8 @@ class ModelRunner:
         drafter = self.drafters[k]
         decode = make_spec_decode_fn(self.plans[k], self.cfg, drafter, max_iters=self.steps_per_call)
         if isinstance(drafter, PlainDrafter) and drafter is not self.drafter:
-            return self.pinned(_stateless(decode), replicated=(0, 1))
-        return self.pinned(_with_slots(_decode_adapter(decode), drafter), replicated=(0, 1))
+            return self.pinned(stateless(decode), replicated=(0, 1))
+        return self.pinned(with_slots(decode_adapter(decode), drafter), replicated=(0, 1))
 
     def _jit(self, fn, key: tuple):
         """`fn` jitted for one bucket, named after it and this runner's configuration
