@@ -258,8 +258,9 @@ def _section_with(section: Any, name: str, values: dict[str, Any]) -> Any:
     return dataclasses.replace(section, **updates)
 
 
-def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """Apply {"section.key": value} (or {"section": {key: value}}) on top of `cfg`."""
+def apply_overrides(cfg: Config, overrides: dict[str, Any], *, validate: bool = True) -> Config:
+    """Apply {"section.key": value} (or {"section": {key: value}}) on top of `cfg`. validate=False
+    leaves the checks to a later layer (a file whose flags complete it: `load_config`)."""
     grouped: dict[str, dict[str, Any]] = {}
     for dotted, value in overrides.items():
         if isinstance(value, dict) and "." not in dotted:
@@ -274,7 +275,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         if section not in sections:
             raise ConfigValueError(f"unknown config section [{section}]; valid: {sorted(sections)}")
         cfg = dataclasses.replace(cfg, **{section: _section_with(getattr(cfg, section), section, values)})
-    return cfg.validate()
+    return cfg.validate() if validate else cfg
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -291,6 +292,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 base: Config | None = None) -> Config:
     """`base` (default: Config()) < the TOML file < `overrides`."""
     cfg = base or Config()
-    if path:
-        cfg = apply_overrides(cfg, read_toml(path))
+    if path:  # checked with the overrides on top: a file may leave a field to the flags
+        cfg = apply_overrides(cfg, read_toml(path), validate=False)
     return apply_overrides(cfg, overrides or {})

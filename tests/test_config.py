@@ -20,6 +20,21 @@ def test_toml_then_overrides(tmp_path):
     assert cfg.sampling.temperature == 0.5 and cfg.sampling.ignore_eos is True
 
 
+def test_spec_is_validated_at_load_after_the_flags(tmp_path):
+    """[spec] is checked once the whole config is in: a file may leave the draft model to a flag; the
+    result holds the canonical algorithm name; what stays wrong is refused naming the field."""
+    from jaxspec.speculative.algorithm import SpecConfigError
+
+    f = tmp_path / "s.toml"
+    f.write_text('[spec]\nalgorithm = "MLP_Speculator"\n')
+    with pytest.raises(SpecConfigError, match="'mlp_speculator' needs a draft model"):
+        load_config(f)
+    cfg = load_config(f, {"spec.draft_model": "/heads/mlp"})
+    assert (cfg.spec.algorithm, cfg.spec.draft_model) == ("mlp_speculator", "/heads/mlp")
+    with pytest.raises(SpecConfigError, match="spec.tree_choices .* read by medusa only"):
+        load_config(f, {"spec.draft_model": "/heads/mlp", "spec.tree_choices": "[[0]]"})
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
