@@ -64,6 +64,15 @@ class CompletionOutput:
     position_acceptance: tuple[float, ...] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability, its rank in the distribution (1 = likeliest) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 def _first(name: str) -> property:
     return property(lambda self: getattr(self.outputs[0], name), doc=f"outputs[0].{name}")
 
@@ -75,11 +84,14 @@ class RequestOutput:
     prompt is as given; prompt_token_ids what the model saw (the chat template
     applied). `text`, `token_ids`, `finish_reason`, `accept_lengths`, `tau`,
     `acceptance_rate` and `position_acceptance` are those of outputs[0], for the
-    common n = 1."""
+    common n = 1. prompt_logprobs (when SamplingParams.prompt_logprobs asked): per prompt
+    token, None for the first, else {token id: Logprob} for the token itself and the N
+    likeliest at its position, under the target's raw distribution (vLLM's layout)."""
 
     prompt: Any
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     text = _first("text")
     token_ids = _first("token_ids")
@@ -112,7 +124,9 @@ def config_for(model: str, spec: Any, draft_model: str | None, dtype: str, optio
     overrides: dict[str, Any] = {"model.path": model, "model.dtype": dtype}
     base = None
     if isinstance(spec, (SpecSection, dict)):
-        base = load_config(None, {"spec": dataclasses.asdict(spec) if isinstance(spec, SpecSection) else spec})
+        # Checked with the other arguments on top (draft_model= may complete it).
+        base = apply_overrides(Config(), {"spec": dataclasses.asdict(spec) if isinstance(spec, SpecSection) else spec},
+                               validate=False)
     elif spec is None or isinstance(spec, str):
         overrides["spec.algorithm"] = spec or "none"
     else:
@@ -282,6 +296,7 @@ class LLM:
         self.tokenizer = model.tokenizer
         self.eos_token_ids = stop_token_ids(model)
         self._profile = profile_phases
+        self._scorer = None
         self.default_sampling = SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
             max_tokens=cfg.sampling.max_new_tokens, ignore_eos=cfg.sampling.ignore_eos)
@@ -402,7 +417,28 @@ class LLM:
         for (i, group), res in zip(owners, results):
             out = self._completion(res, params[i].stop)
             samples[i] += [dataclasses.replace(out, index=j, seed=seed) for j, seed in group]
-        return [RequestOutput(p, pid, outs) for p, pid, outs in zip(items, ids, samples)]
+        scored = [self._prompt_logprobs(pid, sp.prompt_logprobs) for pid, sp in zip(ids, params)]
+        return [RequestOutput(p, pid, outs, lp) for p, pid, outs, lp in zip(items, ids, samples, scored)]
+
+    def _prompt_logprobs(self, prompt_ids, top: int | None):
+        """vLLM's prompt_logprobs for one prompt, or None when not asked (engine/scoring.py)."""
+        if top is None:
+            return None
+        if self._scorer is None:
+            from jaxspec.engine.scoring import PromptScorer
+
+            self._scorer = PromptScorer(self.engine.runner)
+        sc = self._scorer.score(prompt_ids, top)
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        out: list[dict[int, Logprob] | None] = [None]
+        for i in range(1, len(prompt_ids)):
+            entry = {int(t): Logprob(float(lp), r + 1, text(int(t)))
+                     for r, (t, lp) in enumerate(zip(sc.top_ids[i], sc.top_logprobs[i]))}
+            tok = int(prompt_ids[i])
+            if tok not in entry:
+                entry[tok] = Logprob(float(sc.token_logprobs[i]), int(sc.token_ranks[i]), text(tok))
+            out.append(entry)
+        return out
 
     def _completion(self, res, stops: tuple[str, ...]) -> CompletionOutput:
         """The output of one engine Result (index and seed filled in by the caller)."""

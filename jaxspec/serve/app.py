@@ -185,7 +185,8 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
             return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, p.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(_cancel_unfinished, server, seqs))
-        return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens)
+        scoring = (parsed.prompts, p) if (p.echo or p.logprobs is not None) else None
+        return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens, scoring)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -205,8 +206,10 @@ def _cancel_unfinished(server: Server, seqs) -> None:
 
 
 async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, stream: _Stream,
-                   prompt_tokens: int):
+                   prompt_tokens: int, scoring=None):
+    """The whole response. `scoring` (prompts, params): a completion with echo or logprobs."""
     texts = [""] * len(seqs)
+    ids: list[list[int]] = [[] for _ in seqs]
     reasons: list[str | None] = [None] * len(seqs)
     completion_tokens = 0
     last_check = time.monotonic()
@@ -224,6 +227,7 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
             if event is None:
                 continue
             texts[index] += event.text
+            ids[index] += list(event.token_ids)
             completion_tokens += len(event.token_ids)
             if event.finish_reason is not None:
                 reasons[index] = event.finish_reason
@@ -232,8 +236,28 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
     if "abort" in reasons:
         raise APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
                        type_="server_error")
+    logprobs = None
+    if scoring is not None:  # one forward per prompt, off the event loop (the runner's weights, read only)
+        texts, logprobs = await asyncio.to_thread(_score_choices, server, *scoring, texts, ids)
     return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
-                             completion_tokens)
+                             completion_tokens, logprobs)
+
+
+def _score_choices(server: Server, prompts: list[list[int]], p, texts: list[str], ids: list[list[int]]):
+    """(texts, logprobs) of a completion's choices: the prompt's text before each with echo, and each
+    choice's `logprobs` object when asked (protocol.completion_logprobs); choice i * n + j is prompt i's."""
+    scorer = server.scorer()
+    tok = server.tokenizer
+    out_texts, out_lps = list(texts), []
+    for i, prompt in enumerate(prompts):
+        scores = scorer.score(prompt, p.logprobs or 0)
+        head = (tok.decode(prompt) if tok is not None else "") if p.echo else ""
+        for j in range(p.n):
+            c = i * p.n + j
+            out_texts[c] = head + texts[c]
+            if p.logprobs is not None:
+                out_lps.append(protocol.completion_logprobs(tok, prompt, ids[c], scores, p.logprobs, p.echo))
+    return out_texts, (out_lps or None)
 
 
 async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, prompt_tokens: int, include_usage: bool):

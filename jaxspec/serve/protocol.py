@@ -13,6 +13,8 @@ import secrets
 import time
 from typing import Any
 
+import numpy as np
+
 from jaxspec.prompts import PromptError, check_messages
 from jaxspec.sampling_params import SamplingError, SamplingParams, check_stop, check_value
 
@@ -44,6 +46,10 @@ class GenParams(SamplingParams):
 
     stream: bool = False
     include_usage: bool = False
+    # Completions only: the prompt's text before the completion, and per-token log-probabilities with
+    # the `logprobs` likeliest at each position (the prompt's too with echo; engine/scoring.py).
+    echo: bool = False
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +122,11 @@ def _field(body: dict, key: str, default, field: str | None = None):
         raise APIError(400, str(e), key) from None
 
 
-def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None = None) -> GenParams:
+def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None = None,
+                     completion: bool = False) -> GenParams:
     """The request's generation parameters; `defaults` (the model's generation_config.json) fill
-    temperature / top_p / top_k a body leaves out, before the OpenAI defaults."""
+    temperature / top_p / top_k a body leaves out, before the OpenAI defaults. `completion`: the
+    completions endpoint, which reads `echo` and `logprobs`."""
     defaults = defaults or {}
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, key, default_max_tokens, "max_tokens")
@@ -144,16 +152,29 @@ def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None 
     include_usage = opts.get("include_usage", False)  # OpenAI: the usage chunk only when asked
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage", "must be a boolean")
+    echo, logprobs = False, None
+    if completion:
+        echo = _get(body, "echo", False, lambda v: isinstance(v, bool), "a boolean")
+        logprobs = _get(body, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]")
+        if logprobs is not None and max_tokens > 1:
+            raise bad("logprobs", "covers the prompt (with echo) and the first generated token only: the "
+                                  "log-probabilities of later tokens are not built yet; set max_tokens to 1")
+        if (echo or logprobs is not None) and stream:
+            raise bad("echo" if echo else "logprobs", "is not supported with stream yet")
     for key in ("logprobs", "top_logprobs", "echo", "best_of"):
         v = body.get(key)
+        if completion and key in ("logprobs", "echo"):
+            continue
         if v not in (None, False, 0) and not (key == "best_of" and v == 1):
-            raise bad(key, "is not supported by this server")
+            raise bad(key, "is not supported by this server" + (" (the completions endpoint takes it, for a "
+                                                                "prompt's log-probabilities)" if key == "logprobs" else ""))
     for key in ("presence_penalty", "frequency_penalty"):
         v = body.get(key)
         if v is not None and (not _is_num(v) or v != 0):
             raise bad(key, "only 0 is supported by this server")
     return GenParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
-                     stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
+                     stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos, echo=echo,
+                     logprobs=logprobs)
 
 
 def _token_list(v, vocab: int, param: str) -> list[int]:
@@ -180,7 +201,7 @@ def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int,
         raise bad("prompt", "must be a string, a list of strings, a token list or a list of token lists")
     if len(items) > MAX_N:
         raise bad("prompt", f"at most {MAX_N} prompts per request")
-    params = parse_gen_params(body, default_max_tokens, defaults)  # cheap checks before tokenizing
+    params = parse_gen_params(body, default_max_tokens, defaults, completion=True)  # cheap checks before tokenizing
     prompts = []
     for p in items:
         if isinstance(p, str):
@@ -249,14 +270,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
-             completion_tokens: int) -> dict:
-    """choices: (text, finish_reason) in index order."""
+             completion_tokens: int, logprobs: list[dict] | None = None) -> dict:
+    """choices: (text, finish_reason) in index order; logprobs: a completion choice's each."""
     if kind == "chat":
         body = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
                 for i, (t, f) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        body = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(choices)]
+        body = [{"index": i, "text": t, "logprobs": logprobs[i] if logprobs else None, "finish_reason": f}
+                for i, (t, f) in enumerate(choices)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body,
             "usage": usage(prompt_tokens, completion_tokens)}
@@ -278,3 +300,28 @@ def usage_chunk(kind: str, rid: str, model: str, prompt_tokens: int, completion_
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_logprobs(tokenizer, prompt_ids: list[int], gen_ids: list[int], scores, top: int, echo: bool,
+                        text_start: int = 0) -> dict:
+    """A completion choice's `logprobs` (OpenAI's legacy layout): tokens, token_logprobs (None for the
+    first prompt token), top_logprobs ({token text: logprob}, the `top` likeliest) and text_offset,
+    over the prompt (with echo) and then the generated tokens. `scores`: the prompt's PromptScores;
+    a generated token past the first has no scores (the request parser refuses that case)."""
+    text = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+    tokens, lps, tops = [], [], []
+    if echo:
+        for i, t in enumerate(prompt_ids):
+            tokens.append(t)
+            lps.append(None if i == 0 else float(scores.token_logprobs[i]))
+            tops.append(None if i == 0 else {text(int(k)): float(v) for k, v in zip(scores.top_ids[i],
+                                                                                   scores.top_logprobs[i])})
+    for t in gen_ids[:1]:
+        nxt = scores.next_logprobs
+        best = np.argsort(-nxt)[:top]
+        tokens.append(t)
+        lps.append(float(nxt[t]))
+        tops.append({text(int(k)): float(nxt[k]) for k in best})
+    strs = [text(int(t)) for t in tokens]
+    offsets = list(np.cumsum([text_start] + [len(x) for x in strs[:-1]]).tolist()) if strs else []
+    return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -35,6 +35,7 @@ class Server:
     # Request fields a body leaves out take these (the model's generation_config.json under
     # serve.generation_config = "auto", as vLLM does) before the OpenAI defaults.
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    _scorer: object = dataclasses.field(default=None, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -59,6 +60,14 @@ class Server:
         self.scheduler.start()
         self.ready.set()
         log.info("compiled %d buckets in %.1fs", self.runner.num_compiles, time.perf_counter() - t0)
+
+    def scorer(self):
+        """The prompt scorer over the runner's weights (built on first use; engine/scoring.py)."""
+        if self._scorer is None:
+            from jaxspec.engine.scoring import PromptScorer
+
+            self._scorer = PromptScorer(self.runner)
+        return self._scorer
 
     def submit(self, prompt_ids: list[int], params: GenParams, seed: int, on_event, param_name: str) -> Seq:
         if self.draining:

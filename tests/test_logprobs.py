@@ -1,0 +1,119 @@
+"""Prompt log-probabilities (issue 26, the scoring part): the raw distribution at every prompt
+position, equal to Hugging Face's log_softmax, in the API and through the server's `echo` +
+`logprobs` (what lm-evaluation-harness's loglikelihood sends), with speculation on or off."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from jaxspec import LLM, SamplingParams
+from jaxspec.sampling_params import SamplingError
+
+ENGINE = dict(max_batch_size=2, max_context=256, length_buckets=(32, 64, 256), page_size=8)
+
+
+def hf_logprobs(hf, ids: list[int]) -> np.ndarray:
+    """[T, V] log_softmax of HF's logits: row i is the distribution after ids[:i + 1]."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dirs):
+    path, hf = tiny_dirs["llama"]
+    return hf, {spec: LLM(str(path), spec=spec, progress=False, **ENGINE) for spec in (None, "ngram")}
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_prompt_logprobs_equal_hf(llms, spec):
+    hf, engines = llms
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 250, size=n)] for n in (5, 40, 150)]  # one spans two chunks
+    outs = engines[spec].generate(prompts, SamplingParams(max_tokens=3, prompt_logprobs=4))
+    for ids, out in zip(prompts, outs):
+        ref = hf_logprobs(hf, ids)
+        got = out.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        for i in range(1, len(ids)):
+            row = ref[i - 1]
+            mine = got[i][ids[i]]
+            assert math.isclose(mine.logprob, row[ids[i]], abs_tol=2e-4), (i, mine, row[ids[i]])
+            lo, hi = ((row > row[ids[i]] + s).sum() + 1 for s in (2e-4, -2e-4))  # rank, up to float ties
+            assert lo <= mine.rank <= hi, (i, mine.rank, lo, hi)
+            top = sorted((k for k in got[i] if got[i][k].rank <= 4), key=lambda k: got[i][k].rank)
+            assert len(top) >= 4 and set(top[:2]) == set(np.argsort(-row)[:2].tolist())
+            for k in top[:4]:
+                assert math.isclose(got[i][k].logprob, row[k], abs_tol=2e-4)
+        assert out.outputs[0].token_ids  # generation ran as usual beside the scoring
+
+
+def test_prompt_logprobs_off_and_bad_values(llms):
+    _, engines = llms
+    assert engines[None].generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+    for bad in (-1, 21, 2.5, True):
+        with pytest.raises(SamplingError, match="prompt_logprobs must be an integer in \\[0, 20\\]"):
+            SamplingParams(prompt_logprobs=bad)
+    out = engines[None].generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    assert [sorted(e) if e else None for e in out.prompt_logprobs] == [None, [6], [7]]  # the token alone
+
+
+# ---- the server: echo + logprobs, as lm-evaluation-harness's loglikelihood asks ---------------------
+
+
+def test_server_echo_logprobs_equal_hf(served, chat_model_dir):
+    """The request local-completions sends for a loglikelihood (max_tokens 1, echo, logprobs 1,
+    temperature 0), scored the way it reads the answer, against HF; speculation is on (n-gram,
+    adaptive) and changes nothing here."""
+    import transformers as tf
+
+    from tests.serve_util import client
+
+    server, url = served
+    hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    tok = server.tokenizer
+    context, continuation = "Question: what colour is the sky? Answer:", " blue"
+    ctx = tok.encode(context, add_special_tokens=False)
+    ids = ctx + tok.encode(continuation, add_special_tokens=False)
+    c = client(url)
+    r = c.completions.create(model=server.model_name, prompt=[ids, ctx], max_tokens=1, temperature=0, logprobs=1,
+                             echo=True, seed=1234)
+    for choice, prompt in zip(sorted(r.choices, key=lambda ch: ch.index), (ids, ctx)):
+        ref = hf_logprobs(hf, prompt)
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        want = [ref[i - 1, prompt[i]] for i in range(1, len(prompt))] + [ref[-1].max()]  # the greedy token
+        np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=2e-4)
+        for i in range(1, len(prompt) + 1):  # top-1 at each position: HF's argmax
+            (text, value), = lp.top_logprobs[i].items()
+            row = ref[i - 1]
+            assert math.isclose(value, row.max(), abs_tol=2e-4) and text == tok.decode([int(row.argmax())])
+        assert choice.text.startswith(tok.decode(prompt)) and lp.text_offset[0] == 0
+        assert lp.tokens[1] == tok.decode([prompt[1]])
+    # lm-eval's reading: the continuation's summed log-probability and whether it is the greedy path.
+    lp = sorted(r.choices, key=lambda ch: ch.index)[0].logprobs
+    cont = lp.token_logprobs[len(ctx):-1]
+    ref = hf_logprobs(hf, ids)
+    assert math.isclose(sum(cont), sum(ref[i - 1, ids[i]] for i in range(len(ctx), len(ids))), abs_tol=5e-4)
+
+
+@pytest.mark.parametrize("body, field", [
+    (dict(prompt="hi", max_tokens=2, logprobs=1), "logprobs"),  # generated tokens past the first
+    (dict(prompt="hi", max_tokens=1, logprobs=21), "logprobs"),
+    (dict(prompt="hi", max_tokens=1, echo=True, stream=True), "echo"),
+    (dict(prompt="hi", max_tokens=1, echo="yes"), "echo"),
+])
+def test_server_refuses_what_it_cannot_score(served, body, field):
+    import httpx
+
+    server, url = served
+    r = httpx.post(url + "/v1/completions", json={"model": server.model_name, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # Chat keeps refusing logprobs: nothing there is built yet.
+    r = httpx.post(url + "/v1/chat/completions", json={"model": server.model_name, "logprobs": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
