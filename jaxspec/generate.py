@@ -5,8 +5,9 @@
 
 Input lines: {"messages": [...]} (chat template applied), {"prompt": "raw text"}
 or {"prompt_ids": [...]}; a line may also carry its own max_new_tokens,
-temperature, top_p, top_k and seed. Output lines: {"prompt_ids", "output_ids",
-"text", "finish_reason"}.
+temperature, top_p, top_k, seed and prompt_logprobs. Output lines: {"prompt_ids", "output_ids",
+"text", "finish_reason"}, and "prompt_logprobs" when the line asked for it (N: each prompt
+token's log-probability and the N likeliest at its position, {token id: [logprob, rank]}).
 """
 
 from __future__ import annotations
@@ -172,10 +173,11 @@ def line_sampling(entry: dict, s, i: int):
     from jaxspec.sampling_params import ENGINE_FIELDS, SamplingError, SamplingParams, check_value
 
     where = entry.get('_where', f'prompt {i}')
-    unknown = sorted(k for k in entry if k not in INPUT_FIELDS and k not in ENGINE_FIELDS)
+    known = set(ENGINE_FIELDS) | {"prompt_logprobs"}
+    unknown = sorted(k for k in entry if k not in INPUT_FIELDS and k not in known)
     if unknown and INPUT_FIELDS & set(entry) - {"_where"}:  # (no prompt at all: encode_entry says so) a field that would be silently ignored (say repetition_penalty) changes the output unseen
         raise PromptError(f"{where}: unknown field {unknown[0]!r}; an input line may hold "
-                          f"{', '.join(sorted(INPUT_FIELDS - {'_where'}) + list(ENGINE_FIELDS))}")
+                          f"{', '.join(sorted(INPUT_FIELDS - {'_where'}) + sorted(known))}")
     values = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
               "top_k": s.top_k, "seed": (s.seed + i) % 2**32}
     for key, field in ENGINE_FIELDS.items():
@@ -184,7 +186,12 @@ def line_sampling(entry: dict, s, i: int):
                 values[key] = check_value(field, entry[key], key)
             except SamplingError as e:
                 raise PromptError(f"{where}: {e}") from None
-    return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos, **values)
+    lp = entry.get("prompt_logprobs")
+    try:
+        return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos, prompt_logprobs=lp,
+                              **values)
+    except SamplingError as e:
+        raise PromptError(f"{where}: {e}") from None
 
 
 def write_outputs(outputs, args, simulated: bool, has_tokenizer: bool) -> None:
@@ -196,6 +203,9 @@ def write_outputs(outputs, args, simulated: bool, has_tokenizer: bool) -> None:
                     "finish_reason": res.finish_reason}
             if res.accept_lengths is not None:
                 line["accept_lengths"] = res.accept_lengths
+            if res.prompt_logprobs is not None:  # [null, {token id: [logprob, rank]}, ...]
+                line["prompt_logprobs"] = [None if e is None else {str(t): [lp.logprob, lp.rank] for t, lp in e.items()}
+                                           for e in res.prompt_logprobs]
                 if simulated:
                     line["exact"] = False
             if out_file:

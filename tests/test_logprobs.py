@@ -117,3 +117,27 @@ def test_server_refuses_what_it_cannot_score(served, body, field):
     r = httpx.post(url + "/v1/chat/completions", json={"model": server.model_name, "logprobs": True,
                                                        "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_cli_line_asks_for_prompt_logprobs(tiny_dirs, tmp_path, capsys):
+    import json
+
+    from tests.test_cli import ENGINE as CLI_ENGINE, run
+
+    path, hf = tiny_dirs["llama"]
+    prompt = [5, 17, 33, 9, 120]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": prompt, "prompt_logprobs": 2}) + "\n"
+                                      + json.dumps({"prompt_ids": prompt}) + "\n")
+    out = tmp_path / "o.jsonl"
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out),
+                       "--max-new-tokens", "2", "--spec", "ngram", *CLI_ENGINE)
+    assert code == 0, err
+    first, second = [json.loads(x) for x in out.read_text().splitlines()]
+    ref = hf_logprobs(hf, prompt)
+    assert first["prompt_logprobs"][0] is None and "prompt_logprobs" not in second
+    for i in range(1, len(prompt)):
+        lp, rank = first["prompt_logprobs"][i][str(prompt[i])]
+        assert math.isclose(lp, ref[i - 1, prompt[i]], abs_tol=2e-4) and rank >= 1
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt_ids": prompt, "prompt_logprobs": 30}) + "\n")
+    code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "bad.jsonl"), *CLI_ENGINE)
+    assert code == 2 and "bad.jsonl:1: prompt_logprobs must be an integer in [0, 20], got 30" in err

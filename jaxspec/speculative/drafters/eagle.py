@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jaxspec.cache.attention import attention_with_block_ref
