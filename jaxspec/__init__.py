@@ -12,7 +12,7 @@ so `import jaxspec` loads no JAX.
 __version__ = "0.1.0"
 
 # name -> the module it comes from, imported when first asked for (PEP 562).
-_LAZY = {"LLM": "jaxspec.api", "RequestOutput": "jaxspec.api", "CompletionOutput": "jaxspec.api",
+_LAZY = {"LLM": "jaxspec.api", "RequestOutput": "jaxspec.api", "CompletionOutput": "jaxspec.api", "Logprob": "jaxspec.api",
          "SamplingParams": "jaxspec.sampling_params", "SamplingError": "jaxspec.sampling_params"}
 __all__ = ["__version__", *_LAZY]
 

@@ -38,6 +38,15 @@ OPTION_SECTIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability, its rank in the distribution (1 = likeliest) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class CompletionOutput:
     """One sample of one prompt.
 
@@ -50,7 +59,9 @@ class CompletionOutput:
     acceptance_rate (accepted / proposed drafts) and position_acceptance
     (entry d-1: fraction of verify steps that accepted at least d drafts).
     These cover every token the engine generated, past a stop string too.
-    Without speculation they are None.
+    Without speculation they are None. logprobs (when SamplingParams.logprobs asked): per
+    generated token {token id: Logprob} for the token and the N likeliest at its position, under
+    the target's raw distribution (vLLM's layout; scored after the request, engine/scoring.py).
     """
 
     index: int
@@ -62,15 +73,7 @@ class CompletionOutput:
     tau: float | None = None
     acceptance_rate: float | None = None
     position_acceptance: tuple[float, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Logprob:
-    """vLLM's: a token's log-probability, its rank in the distribution (1 = likeliest) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 def _first(name: str) -> property:
@@ -417,24 +420,30 @@ class LLM:
         for (i, group), res in zip(owners, results):
             out = self._completion(res, params[i].stop)
             samples[i] += [dataclasses.replace(out, index=j, seed=seed) for j, seed in group]
-        scored = [self._prompt_logprobs(pid, sp.prompt_logprobs) for pid, sp in zip(ids, params)]
+        for i, sp in enumerate(params):
+            if sp.logprobs is not None:
+                samples[i] = [dataclasses.replace(o, logprobs=self._logprobs(ids[i], o.token_ids, sp.logprobs))
+                              for o in samples[i]]
+        scored = [self._logprobs(pid[:1], pid[1:], sp.prompt_logprobs, first=True) for pid, sp in zip(ids, params)]
         return [RequestOutput(p, pid, outs, lp) for p, pid, outs, lp in zip(items, ids, samples, scored)]
 
-    def _prompt_logprobs(self, prompt_ids, top: int | None):
-        """vLLM's prompt_logprobs for one prompt, or None when not asked (engine/scoring.py)."""
+    def _logprobs(self, context, tokens, top: int | None, first: bool = False):
+        """vLLM's per-token {token id: Logprob} of `tokens` after `context`, from one scoring forward
+        over both (engine/scoring.py); None when not asked. first: the prompt's own, led by None."""
         if top is None:
             return None
         if self._scorer is None:
             from jaxspec.engine.scoring import PromptScorer
 
             self._scorer = PromptScorer(self.engine.runner)
-        sc = self._scorer.score(prompt_ids, top)
+        seq = list(context) + list(tokens)
+        sc = self._scorer.score(seq, top)
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        out: list[dict[int, Logprob] | None] = [None]
-        for i in range(1, len(prompt_ids)):
+        out: list = [None] if first else []
+        for i in range(len(context), len(seq)):
             entry = {int(t): Logprob(float(lp), r + 1, text(int(t)))
                      for r, (t, lp) in enumerate(zip(sc.top_ids[i], sc.top_logprobs[i]))}
-            tok = int(prompt_ids[i])
+            tok = int(seq[i])
             if tok not in entry:
                 entry[tok] = Logprob(float(sc.token_logprobs[i]), int(sc.token_ranks[i]), text(tok))
             out.append(entry)

@@ -5,9 +5,10 @@
 
 Input lines: {"messages": [...]} (chat template applied), {"prompt": "raw text"}
 or {"prompt_ids": [...]}; a line may also carry its own max_new_tokens,
-temperature, top_p, top_k, seed and prompt_logprobs. Output lines: {"prompt_ids", "output_ids",
-"text", "finish_reason"}, and "prompt_logprobs" when the line asked for it (N: each prompt
-token's log-probability and the N likeliest at its position, {token id: [logprob, rank]}).
+temperature, top_p, top_k, seed, logprobs and prompt_logprobs. Output lines: {"prompt_ids",
+"output_ids", "text", "finish_reason"}, and "logprobs" / "prompt_logprobs" when the line asked for
+them (N: each generated / prompt token's log-probability and the N likeliest at its position,
+{token id: [logprob, rank]}).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def line_sampling(entry: dict, s, i: int):
     from jaxspec.sampling_params import ENGINE_FIELDS, SamplingError, SamplingParams, check_value
 
     where = entry.get('_where', f'prompt {i}')
-    known = set(ENGINE_FIELDS) | {"prompt_logprobs"}
+    known = set(ENGINE_FIELDS) | {"prompt_logprobs", "logprobs"}
     unknown = sorted(k for k in entry if k not in INPUT_FIELDS and k not in known)
     if unknown and INPUT_FIELDS & set(entry) - {"_where"}:  # (no prompt at all: encode_entry says so) a field that would be silently ignored (say repetition_penalty) changes the output unseen
         raise PromptError(f"{where}: unknown field {unknown[0]!r}; an input line may hold "
@@ -186,10 +187,9 @@ def line_sampling(entry: dict, s, i: int):
                 values[key] = check_value(field, entry[key], key)
             except SamplingError as e:
                 raise PromptError(f"{where}: {e}") from None
-    lp = entry.get("prompt_logprobs")
     try:
-        return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos, prompt_logprobs=lp,
-                              **values)
+        return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos,
+                              prompt_logprobs=entry.get("prompt_logprobs"), logprobs=entry.get("logprobs"), **values)
     except SamplingError as e:
         raise PromptError(f"{where}: {e}") from None
 
@@ -203,9 +203,11 @@ def write_outputs(outputs, args, simulated: bool, has_tokenizer: bool) -> None:
                     "finish_reason": res.finish_reason}
             if res.accept_lengths is not None:
                 line["accept_lengths"] = res.accept_lengths
+            table = lambda e: None if e is None else {str(t): [lp.logprob, lp.rank] for t, lp in e.items()}  # noqa: E731
             if res.prompt_logprobs is not None:  # [null, {token id: [logprob, rank]}, ...]
-                line["prompt_logprobs"] = [None if e is None else {str(t): [lp.logprob, lp.rank] for t, lp in e.items()}
-                                           for e in res.prompt_logprobs]
+                line["prompt_logprobs"] = [table(e) for e in res.prompt_logprobs]
+            if res.outputs[0].logprobs is not None:
+                line["logprobs"] = [table(e) for e in res.outputs[0].logprobs]
                 if simulated:
                     line["exact"] = False
             if out_file:

@@ -53,6 +53,7 @@ BOUNDS: dict[str, Bound] = {
     "seed": Bound(True, lambda v: 0 <= v < 2**32, "an integer", "in [0, 2^32)"),
     "n": Bound(True, lambda v: v >= 1, "an integer", ">= 1"),
     "prompt_logprobs": Bound(True, lambda v: 0 <= v <= 20, "an integer", "in [0, 20]"),
+    "logprobs": Bound(True, lambda v: 0 <= v <= 20, "an integer", "in [0, 20]"),
 }
 
 # The user-facing CLI names (the [sampling] config section, --max-new-tokens, JSONL lines), kept
@@ -129,9 +130,9 @@ class SamplingParams:
         whatever else is in its batch.
     n: outputs per prompt.
     ignore_eos: do not stop at the model's EOS tokens.
-    prompt_logprobs: None = off; N = each prompt token's log-probability under the target's raw
-        distribution, with the N likeliest tokens at its position (`RequestOutput.prompt_logprobs`;
-        jaxspec/engine/scoring.py).
+    logprobs / prompt_logprobs: None = off; N = each generated / prompt token's log-probability
+        under the target's raw distribution, with the N likeliest tokens at its position
+        (`CompletionOutput.logprobs`, `RequestOutput.prompt_logprobs`; jaxspec/engine/scoring.py).
 
     A bad value raises SamplingError (a ValueError) naming the field, with the
     messages the CLI and the server give. Strings and lists for `stop` are
@@ -147,12 +148,13 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         # Frozen: normalised values go in through object.__setattr__, once, here.
         for f in ("temperature", "top_p", "top_k", "max_tokens", "n"):
             object.__setattr__(self, f, check_value(f, getattr(self, f)))
-        for f in ("seed", "prompt_logprobs"):
+        for f in ("seed", "prompt_logprobs", "logprobs"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, check_value(f, getattr(self, f)))
         object.__setattr__(self, "stop", check_stop(self.stop))

@@ -1,6 +1,7 @@
-"""Prompt log-probabilities (issue 26, the scoring part): the raw distribution at every prompt
-position, equal to Hugging Face's log_softmax, in the API and through the server's `echo` +
-`logprobs` (what lm-evaluation-harness's loglikelihood sends), with speculation on or off."""
+"""Log-probabilities (issue 26, first part): the raw distribution at every prompt position and at
+every generated token, equal to Hugging Face's log_softmax over the same tokens, in the API, the
+CLI and the server (`echo` + `logprobs`, what lm-evaluation-harness's loglikelihood sends; chat
+`logprobs` / `top_logprobs`), with speculation on or off, greedy or sampled."""
 
 from __future__ import annotations
 
@@ -52,12 +53,35 @@ def test_prompt_logprobs_equal_hf(llms, spec):
         assert out.outputs[0].token_ids  # generation ran as usual beside the scoring
 
 
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_generated_logprobs_equal_hf(llms, spec):
+    """Every generated token's log-probability and top entries, at batch 1 and 2 (three prompts over
+    buckets of 2), greedy and sampled: the same numbers as HF over prompt + output."""
+    hf, engines = llms
+    prompts = [[5, 17, 33, 9, 120], [7, 7, 7, 7, 7, 7, 7, 7], [200, 3, 41]]
+    for sp in (SamplingParams(max_tokens=12, logprobs=3), SamplingParams(max_tokens=12, logprobs=3,
+                                                                         temperature=0.9, seed=5)):
+        for ids, out in zip(prompts, engines[spec].generate(prompts, sp)):
+            gen = out.outputs[0].token_ids
+            got = out.outputs[0].logprobs
+            assert len(got) == len(gen) and out.prompt_logprobs is None
+            ref = hf_logprobs(hf, ids + gen)
+            for j, t in enumerate(gen):
+                row = ref[len(ids) + j - 1]
+                assert math.isclose(got[j][t].logprob, row[t], abs_tol=2e-4), (j, got[j][t], row[t])
+                best = max(got[j], key=lambda k: got[j][k].logprob)
+                assert got[j][best].rank == 1 and math.isclose(got[j][best].logprob, row.max(), abs_tol=2e-4)
+            if sp.temperature == 0:
+                assert all(got[j][t].rank == 1 for j, t in enumerate(gen))  # greedy: every token the argmax
+
+
 def test_prompt_logprobs_off_and_bad_values(llms):
     _, engines = llms
     assert engines[None].generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
-    for bad in (-1, 21, 2.5, True):
-        with pytest.raises(SamplingError, match="prompt_logprobs must be an integer in \\[0, 20\\]"):
-            SamplingParams(prompt_logprobs=bad)
+    for field in ("prompt_logprobs", "logprobs"):
+        for bad in (-1, 21, 2.5, True):
+            with pytest.raises(SamplingError, match=f"{field} must be an integer in \\[0, 20\\]"):
+                SamplingParams(**{field: bad})
     out = engines[None].generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert [sorted(e) if e else None for e in out.prompt_logprobs] == [None, [6], [7]]  # the token alone
 
@@ -101,22 +125,59 @@ def test_server_echo_logprobs_equal_hf(served, chat_model_dir):
     assert math.isclose(sum(cont), sum(ref[i - 1, ids[i]] for i in range(len(ctx), len(ids))), abs_tol=5e-4)
 
 
-@pytest.mark.parametrize("body, field", [
-    (dict(prompt="hi", max_tokens=2, logprobs=1), "logprobs"),  # generated tokens past the first
-    (dict(prompt="hi", max_tokens=1, logprobs=21), "logprobs"),
-    (dict(prompt="hi", max_tokens=1, echo=True, stream=True), "echo"),
-    (dict(prompt="hi", max_tokens=1, echo="yes"), "echo"),
+def test_server_generated_logprobs_completions_and_chat(served, chat_model_dir):
+    """Completions' logprobs over generated tokens (no echo) and chat's logprobs / top_logprobs, equal
+    to HF over prompt + output; the server speculates (n-gram, adaptive)."""
+    import transformers as tf
+
+    from tests.serve_util import client
+
+    server, url = served
+    hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    tok = server.tokenizer
+    c = client(url)
+    ids = tok.encode("one two three one two three one two", add_special_tokens=False)
+    r = c.completions.create(model=server.model_name, prompt=ids, max_tokens=10, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    with torch.no_grad():  # HF's own greedy continuation: the tokens the server must have produced
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
+    assert lp.tokens == [tok.decode([t]) for t in gen] and r.usage.completion_tokens == 10
+    ref = hf_logprobs(hf, ids + gen)
+    np.testing.assert_allclose(lp.token_logprobs, [ref[len(ids) + j - 1, t] for j, t in enumerate(gen)], atol=2e-4)
+    assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    r = c.chat.completions.create(model=server.model_name, messages=messages, max_tokens=6, temperature=0,
+                                  logprobs=True, top_logprobs=3)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    ref_ids = [int(hf_logprobs(hf, prompt)[-1].argmax())]
+    assert content[0].token == tok.decode(ref_ids) and bytes(content[0].bytes) == content[0].token.encode()
+    assert math.isclose(content[0].logprob, hf_logprobs(hf, prompt)[-1].max(), abs_tol=2e-4)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy: the top entry is the token
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("completions", dict(prompt="hi", max_tokens=1, logprobs=21), "logprobs"),
+    ("completions", dict(prompt="hi", max_tokens=1, echo=True, stream=True), "echo"),
+    ("completions", dict(prompt="hi", max_tokens=2, logprobs=1, stream=True), "logprobs"),
+    ("completions", dict(prompt="hi", max_tokens=1, echo="yes"), "echo"),
+    ("completions", dict(prompt="hi", max_tokens=1, top_logprobs=2), "top_logprobs"),
+    ("chat/completions", dict(logprobs=1), "logprobs"),  # a boolean there
+    ("chat/completions", dict(top_logprobs=2), "top_logprobs"),  # needs logprobs: true
+    ("chat/completions", dict(logprobs=True, top_logprobs=30), "top_logprobs"),
+    ("chat/completions", dict(echo=True), "echo"),
+    ("chat/completions", dict(logprobs=True, stream=True), "logprobs"),
 ])
-def test_server_refuses_what_it_cannot_score(served, body, field):
+def test_server_refuses_what_it_cannot_score(served, path, body, field):
     import httpx
 
     server, url = served
-    r = httpx.post(url + "/v1/completions", json={"model": server.model_name, **body}, timeout=60)
+    if path.startswith("chat"):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+    r = httpx.post(f"{url}/v1/{path}", json={"model": server.model_name, **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-    # Chat keeps refusing logprobs: nothing there is built yet.
-    r = httpx.post(url + "/v1/chat/completions", json={"model": server.model_name, "logprobs": True,
-                                                       "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 
 def test_cli_line_asks_for_prompt_logprobs(tiny_dirs, tmp_path, capsys):
@@ -126,7 +187,7 @@ def test_cli_line_asks_for_prompt_logprobs(tiny_dirs, tmp_path, capsys):
 
     path, hf = tiny_dirs["llama"]
     prompt = [5, 17, 33, 9, 120]
-    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": prompt, "prompt_logprobs": 2}) + "\n"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": prompt, "prompt_logprobs": 2, "logprobs": 1}) + "\n"
                                       + json.dumps({"prompt_ids": prompt}) + "\n")
     out = tmp_path / "o.jsonl"
     code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out),
@@ -134,10 +195,14 @@ def test_cli_line_asks_for_prompt_logprobs(tiny_dirs, tmp_path, capsys):
     assert code == 0, err
     first, second = [json.loads(x) for x in out.read_text().splitlines()]
     ref = hf_logprobs(hf, prompt)
-    assert first["prompt_logprobs"][0] is None and "prompt_logprobs" not in second
+    assert first["prompt_logprobs"][0] is None and "prompt_logprobs" not in second and "logprobs" not in second
     for i in range(1, len(prompt)):
         lp, rank = first["prompt_logprobs"][i][str(prompt[i])]
         assert math.isclose(lp, ref[i - 1, prompt[i]], abs_tol=2e-4) and rank >= 1
+    ref = hf_logprobs(hf, prompt + first["output_ids"])
+    for j, t in enumerate(first["output_ids"]):
+        lp, rank = first["logprobs"][j][str(t)]
+        assert math.isclose(lp, ref[len(prompt) + j - 1, t], abs_tol=2e-4) and rank == 1  # greedy
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt_ids": prompt, "prompt_logprobs": 30}) + "\n")
     code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "bad.jsonl"), *CLI_ENGINE)
     assert code == 2 and "bad.jsonl:1: prompt_logprobs must be an integer in [0, 20], got 30" in err

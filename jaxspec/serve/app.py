@@ -238,25 +238,29 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
                        type_="server_error")
     logprobs = None
     if scoring is not None:  # one forward per prompt, off the event loop (the runner's weights, read only)
-        texts, logprobs = await asyncio.to_thread(_score_choices, server, *scoring, texts, ids)
+        texts, logprobs = await asyncio.to_thread(_score_choices, server, kind, *scoring, texts, ids)
     return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
                              completion_tokens, logprobs)
 
 
-def _score_choices(server: Server, prompts: list[list[int]], p, texts: list[str], ids: list[list[int]]):
-    """(texts, logprobs) of a completion's choices: the prompt's text before each with echo, and each
-    choice's `logprobs` object when asked (protocol.completion_logprobs); choice i * n + j is prompt i's."""
+def _score_choices(server: Server, kind: str, prompts: list[list[int]], p, texts: list[str],
+                   ids: list[list[int]]):
+    """(texts, logprobs) of the choices: the prompt's text before each with echo, and each choice's
+    `logprobs` when asked, from one scoring forward over its prompt and generated tokens (the raw
+    distribution, engine/scoring.py); choice i * n + j is prompt i's."""
     scorer = server.scorer()
     tok = server.tokenizer
     out_texts, out_lps = list(texts), []
     for i, prompt in enumerate(prompts):
-        scores = scorer.score(prompt, p.logprobs or 0)
         head = (tok.decode(prompt) if tok is not None else "") if p.echo else ""
         for j in range(p.n):
             c = i * p.n + j
             out_texts[c] = head + texts[c]
-            if p.logprobs is not None:
-                out_lps.append(protocol.completion_logprobs(tok, prompt, ids[c], scores, p.logprobs, p.echo))
+            if p.logprobs is None:
+                continue
+            scores = scorer.score(prompt + ids[c], p.logprobs)
+            out_lps.append(protocol.chat_logprobs(tok, len(prompt), ids[c], scores) if kind == "chat" else
+                           protocol.completion_logprobs(tok, prompt, ids[c], scores, p.echo))
     return out_texts, (out_lps or None)
 
 

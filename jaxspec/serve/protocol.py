@@ -123,10 +123,10 @@ def _field(body: dict, key: str, default, field: str | None = None):
 
 
 def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None = None,
-                     completion: bool = False) -> GenParams:
+                     kind: str = "chat") -> GenParams:
     """The request's generation parameters; `defaults` (the model's generation_config.json) fill
-    temperature / top_p / top_k a body leaves out, before the OpenAI defaults. `completion`: the
-    completions endpoint, which reads `echo` and `logprobs`."""
+    temperature / top_p / top_k a body leaves out, before the OpenAI defaults. Log-probabilities:
+    completions' `logprobs` (0-20) and `echo`, chat's `logprobs` (a boolean) and `top_logprobs`."""
     defaults = defaults or {}
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, key, default_max_tokens, "max_tokens")
@@ -152,22 +152,26 @@ def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None 
     include_usage = opts.get("include_usage", False)  # OpenAI: the usage chunk only when asked
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage", "must be a boolean")
+    top = lambda v: _is_int(v) and 0 <= v <= 20  # noqa: E731
     echo, logprobs = False, None
-    if completion:
+    if kind == "completion":
         echo = _get(body, "echo", False, lambda v: isinstance(v, bool), "a boolean")
-        logprobs = _get(body, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]")
-        if logprobs is not None and max_tokens > 1:
-            raise bad("logprobs", "covers the prompt (with echo) and the first generated token only: the "
-                                  "log-probabilities of later tokens are not built yet; set max_tokens to 1")
-        if (echo or logprobs is not None) and stream:
-            raise bad("echo" if echo else "logprobs", "is not supported with stream yet")
-    for key in ("logprobs", "top_logprobs", "echo", "best_of"):
-        v = body.get(key)
-        if completion and key in ("logprobs", "echo"):
-            continue
-        if v not in (None, False, 0) and not (key == "best_of" and v == 1):
-            raise bad(key, "is not supported by this server" + (" (the completions endpoint takes it, for a "
-                                                                "prompt's log-probabilities)" if key == "logprobs" else ""))
+        logprobs = _get(body, "logprobs", None, top, "an integer in [0, 20]")
+        if body.get("top_logprobs") is not None:
+            raise bad("top_logprobs", "is a chat field; completions take logprobs: N")
+    else:
+        if body.get("echo") not in (None, False):
+            raise bad("echo", "is a completions field")
+        want = _get(body, "logprobs", False, lambda v: isinstance(v, bool), "a boolean")
+        n_top = _get(body, "top_logprobs", None, top, "an integer in [0, 20]")
+        if n_top is not None and not want:
+            raise bad("top_logprobs", "needs logprobs: true")
+        logprobs = (n_top or 0) if want else None
+    if (echo or logprobs is not None) and stream:  # scored when the request ends (engine/scoring.py)
+        raise bad("echo" if echo else "logprobs", "is not supported with stream yet")
+    best_of = body.get("best_of")
+    if best_of not in (None, 1):
+        raise bad("best_of", "is not supported by this server")
     for key in ("presence_penalty", "frequency_penalty"):
         v = body.get(key)
         if v is not None and (not _is_num(v) or v != 0):
@@ -201,7 +205,7 @@ def parse_completion(body: dict, tokenizer, vocab: int, default_max_tokens: int,
         raise bad("prompt", "must be a string, a list of strings, a token list or a list of token lists")
     if len(items) > MAX_N:
         raise bad("prompt", f"at most {MAX_N} prompts per request")
-    params = parse_gen_params(body, default_max_tokens, defaults, completion=True)  # cheap checks before tokenizing
+    params = parse_gen_params(body, default_max_tokens, defaults, "completion")  # cheap checks before tokenizing
     prompts = []
     for p in items:
         if isinstance(p, str):
@@ -271,10 +275,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
              completion_tokens: int, logprobs: list[dict] | None = None) -> dict:
-    """choices: (text, finish_reason) in index order; logprobs: a completion choice's each."""
+    """choices: (text, finish_reason) in index order; logprobs: each choice's, when asked."""
     if kind == "chat":
-        body = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(choices)]
+        body = [{"index": i, "message": {"role": "assistant", "content": t},
+                 "logprobs": logprobs[i] if logprobs else None, "finish_reason": f} for i, (t, f) in enumerate(choices)]
         obj = "chat.completion"
     else:
         body = [{"index": i, "text": t, "logprobs": logprobs[i] if logprobs else None, "finish_reason": f}
@@ -302,26 +306,31 @@ def usage_chunk(kind: str, rid: str, model: str, prompt_tokens: int, completion_
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_logprobs(tokenizer, prompt_ids: list[int], gen_ids: list[int], scores, top: int, echo: bool,
-                        text_start: int = 0) -> dict:
+def completion_logprobs(tokenizer, prompt_ids: list[int], gen_ids: list[int], scores, echo: bool) -> dict:
     """A completion choice's `logprobs` (OpenAI's legacy layout): tokens, token_logprobs (None for the
-    first prompt token), top_logprobs ({token text: logprob}, the `top` likeliest) and text_offset,
-    over the prompt (with echo) and then the generated tokens. `scores`: the prompt's PromptScores;
-    a generated token past the first has no scores (the request parser refuses that case)."""
+    first prompt token), top_logprobs ({token text: logprob}) and text_offset, over the prompt (with
+    echo) and the generated tokens. `scores`: PromptScores of prompt + generated tokens."""
     text = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
-    tokens, lps, tops = [], [], []
-    if echo:
-        for i, t in enumerate(prompt_ids):
-            tokens.append(t)
-            lps.append(None if i == 0 else float(scores.token_logprobs[i]))
-            tops.append(None if i == 0 else {text(int(k)): float(v) for k, v in zip(scores.top_ids[i],
-                                                                                   scores.top_logprobs[i])})
-    for t in gen_ids[:1]:
-        nxt = scores.next_logprobs
-        best = np.argsort(-nxt)[:top]
-        tokens.append(t)
-        lps.append(float(nxt[t]))
-        tops.append({text(int(k)): float(nxt[k]) for k in best})
+    p = len(prompt_ids)
+    tokens = (prompt_ids if echo else []) + list(gen_ids)
+    positions = range(0 if echo else p, p + len(gen_ids))
+    lps = [None if i == 0 else float(scores.token_logprobs[i]) for i in positions]
+    tops = [None if i == 0 else {text(int(k)): float(v) for k, v in zip(scores.top_ids[i], scores.top_logprobs[i])}
+            for i in positions]
     strs = [text(int(t)) for t in tokens]
-    offsets = list(np.cumsum([text_start] + [len(x) for x in strs[:-1]]).tolist()) if strs else []
+    offsets = np.cumsum([0] + [len(x) for x in strs[:-1]]).tolist() if strs else []
     return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, prompt_len: int, gen_ids: list[int], scores) -> dict:
+    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]} per generated token."""
+    def entry(t, lp):
+        s = tokenizer.decode([int(t)]) if tokenizer is not None else str(t)
+        return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for j, t in enumerate(gen_ids):
+        i = prompt_len + j
+        content.append({**entry(t, scores.token_logprobs[i]),
+                        "top_logprobs": [entry(k, v) for k, v in zip(scores.top_ids[i], scores.top_logprobs[i])]})
+    return {"content": content}
