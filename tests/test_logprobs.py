@@ -206,3 +206,31 @@ def test_cli_line_asks_for_prompt_logprobs(tiny_dirs, tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt_ids": prompt, "prompt_logprobs": 30}) + "\n")
     code, _, err = run(capsys, "--model", str(path), "--prompts", str(tmp_path / "bad.jsonl"), *CLI_ENGINE)
     assert code == 2 and "bad.jsonl:1: prompt_logprobs must be an integer in [0, 20], got 30" in err
+
+
+@pytest.mark.parametrize("alg, shape", [
+    ("eagle3", dict(num_draft_tokens=4, num_steps=3)),  # chain
+    ("eagle3", dict(topk=2, num_steps=2, num_draft_tokens=5)),  # tree
+    ("medusa", dict(topk=2, num_steps=2, num_draft_tokens=5)),
+    ("dflash", dict(num_draft_tokens=4)),
+    ("dspark", dict(num_draft_tokens=4, sps_table="flat")),
+])
+def test_logprobs_under_every_feature_drafter_equal_hf(tiny_dirs, tmp_path, alg, shape):
+    """Whatever drafts them, the tokens' log-probabilities are the target's: batch 4, sampled."""
+    from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head
+
+    path, hf = tiny_dirs["llama"]
+    head = {"eagle3": lambda d: write_eagle3_head(d, hf, layer_ids=[0, 1, 1], convention="input"),
+            "medusa": lambda d: write_medusa_head(d, hf, num_heads=3),
+            "dflash": lambda d: write_block_head(d, hf, kind="dflash", layer_ids=(0, 1)),
+            "dspark": lambda d: write_block_head(d, hf, kind="dspark", layer_ids=(0, 1))}[alg](tmp_path / alg)
+    llm = LLM(str(path), spec={"algorithm": alg, "adaptive": "off", **shape}, draft_model=str(head), progress=False,
+              **{**ENGINE, "max_batch_size": 4})
+    prompts = [[5, 17, 33, 9, 120], [7, 7, 7, 7, 7, 7], [200, 3, 41], [11, 12, 13, 11, 12, 13, 11]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.8, seed=2, logprobs=1))
+    assert all(o.outputs[0].accept_lengths for o in outs)  # the drafter ran: a speculative record
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        ref = hf_logprobs(hf, ids + gen)
+        got = [out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(gen)]
+        np.testing.assert_allclose(got, [ref[len(ids) + j - 1, t] for j, t in enumerate(gen)], atol=2e-4)
