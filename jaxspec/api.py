@@ -422,14 +422,15 @@ class LLM:
             samples[i] += [dataclasses.replace(out, index=j, seed=seed) for j, seed in group]
         for i, sp in enumerate(params):
             if sp.logprobs is not None:
-                samples[i] = [dataclasses.replace(o, logprobs=self._logprobs(ids[i], o.token_ids, sp.logprobs))
+                samples[i] = [dataclasses.replace(o, logprobs=self._logprobs(ids[i], o.token_ids, sp.logprobs, sp))
                               for o in samples[i]]
-        scored = [self._logprobs(pid[:1], pid[1:], sp.prompt_logprobs, first=True) for pid, sp in zip(ids, params)]
+        scored = [self._logprobs(pid[:1], pid[1:], sp.prompt_logprobs, sp, first=True) for pid, sp in zip(ids, params)]
         return [RequestOutput(p, pid, outs, lp) for p, pid, outs, lp in zip(items, ids, samples, scored)]
 
-    def _logprobs(self, context, tokens, top: int | None, first: bool = False):
+    def _logprobs(self, context, tokens, top: int | None, sp: SamplingParams, first: bool = False):
         """vLLM's per-token {token id: Logprob} of `tokens` after `context`, from one scoring forward
-        over both (engine/scoring.py); None when not asked. first: the prompt's own, led by None."""
+        over both (engine/scoring.py; `sp` for engine.logprobs_mode = "processed"); None when not
+        asked. first: the prompt's own, led by None."""
         if top is None:
             return None
         if self._scorer is None:
@@ -437,7 +438,7 @@ class LLM:
 
             self._scorer = PromptScorer(self.engine.runner)
         seq = list(context) + list(tokens)
-        sc = self._scorer.score(seq, top)
+        sc = self._scorer.score(seq, top, sp)
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         out: list = [None] if first else []
         for i in range(len(context), len(seq)):

@@ -50,6 +50,9 @@ class EngineSection:
     # one row's weight traffic, and paged attention read in place), "xla" (XLA's
     # own ops) or "auto" (native on a single CPU device when the kernels build).
     cpu_kernels: str = "auto"
+    # Which distribution log-probabilities report (vLLM's logprobs_mode): "raw", the target's
+    # log-softmax, or "processed", the one the request samples from (temperature, top-k, top-p).
+    logprobs_mode: str = "raw"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +181,7 @@ class Config:
             (e.page_size >= 1, "engine.page_size must be >= 1"),
             (e.layer_loop in ("auto", "scan", "unrolled"), "engine.layer_loop must be auto, scan or unrolled"),
             (e.cpu_kernels in ("auto", "native", "xla"), "engine.cpu_kernels must be auto, native or xla"),
+            (e.logprobs_mode in ("raw", "processed"), "engine.logprobs_mode must be raw or processed"),
             # Page 0 is the null page: one page leaves nothing to allocate.
             (e.num_pages == 0 or e.num_pages >= 2, "engine.num_pages must be 0 (automatic) or >= 2"),
             (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),

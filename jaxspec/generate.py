@@ -28,6 +28,7 @@ FLAG_KEYS = {
     "num_pages": "engine.num_pages",
     "batch_size": "engine.max_batch_size",
     "max_context": "engine.max_context",
+    "logprobs_mode": "engine.logprobs_mode",
     "max_new_tokens": "sampling.max_new_tokens",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
@@ -51,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int)
     p.add_argument("--num-pages", type=int)
     p.add_argument("--max-context", type=int)
+    p.add_argument("--logprobs-mode", choices=["raw", "processed"],
+                   help="log-probabilities of the target's raw distribution (default) or of the one each "
+                        "request samples from (temperature, top-k, top-p)")
 
 
 def section_flags(section_cls) -> dict[str, tuple[str, dict]]:

@@ -234,3 +234,40 @@ def test_logprobs_under_every_feature_drafter_equal_hf(tiny_dirs, tmp_path, alg,
         ref = hf_logprobs(hf, ids + gen)
         got = [out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(gen)]
         np.testing.assert_allclose(got, [ref[len(ids) + j - 1, t] for j, t in enumerate(gen)], atol=2e-4)
+
+
+def test_processed_logprobs_are_the_sampled_distribution(tiny_dirs):
+    """engine.logprobs_mode = "processed": the distribution each request samples from (temperature,
+    then top-k, then top-p), from HF's logits in numpy; tokens it excludes read -9999; greedy is one-hot."""
+    path, hf = tiny_dirs["llama"]
+    llm = LLM(str(path), progress=False, logprobs_mode="processed", **ENGINE)
+    ids = [5, 17, 33, 9, 120]
+    for sp in (SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=3, logprobs=2),
+               SamplingParams(max_tokens=6, temperature=1.3, top_p=0.6, seed=4, logprobs=2),
+               SamplingParams(max_tokens=6, logprobs=2)):
+        out = llm.generate([ids], sp)[0].outputs[0]
+        gen = out.token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + gen])).logits[0].double().numpy()
+        for j, t in enumerate(gen):
+            row = logits[len(ids) + j - 1]
+            if sp.temperature == 0:
+                want = np.where(np.arange(row.size) == row.argmax(), 0.0, -9999.0)
+            else:
+                z = row / sp.temperature
+                keep = np.ones(z.size, bool)
+                if sp.top_k:
+                    keep &= z >= np.sort(z)[-sp.top_k]
+                p = np.exp(z - z.max()) * keep
+                p /= p.sum()
+                if sp.top_p < 1:
+                    order = np.argsort(-p)
+                    before = np.cumsum(p[order]) - p[order]  # mass of the likelier tokens
+                    keep2 = np.zeros(z.size, bool)
+                    keep2[order[before < sp.top_p]] = True
+                    p = p * keep2
+                    p /= p.sum()
+                want = np.where(p > 0, np.log(np.maximum(p, 1e-300)), -9999.0)
+            assert math.isclose(out.logprobs[j][t].logprob, want[t], abs_tol=3e-4), (sp, j, out.logprobs[j][t])
+            for k, lp in out.logprobs[j].items():
+                assert math.isclose(lp.logprob, want[k], abs_tol=3e-4)

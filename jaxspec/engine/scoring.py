@@ -22,9 +22,12 @@ import numpy as np
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.layers import linear
 from jaxspec.models.llama import forward
+from jaxspec.sampling_params import SamplingParams
+from jaxspec.speculative.sampling import target_probs_from_logits
 
 MAX_TOP = 20  # OpenAI's and vLLM's cap on top logprobs
 CHUNK = 128  # positions per LM-head projection
+FLOOR = -9999.0  # a token the processed distribution excludes (log 0), as OpenAI writes it: JSON has no -inf
 
 
 @dataclasses.dataclass
@@ -55,11 +58,18 @@ class PromptScorer:
         self.runner = runner
         self._fns: dict[int, object] = {}
 
-    def _fn(self, length: int):
-        if length not in self._fns:
+    def _fn(self, length: int, processed: bool):
+        if (length, processed) not in self._fns:
             cfg = self.runner.cfg
 
-            def fn(params, tokens, n):
+            def logprobs(logits, sampling):  # [C, V] -> [C, V] f32 in the configured mode
+                if not processed:
+                    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                t, k, p = sampling
+                probs = target_probs_from_logits(logits[None], t[None], k[None], p[None])[0]
+                return jnp.maximum(jnp.log(probs), FLOOR)
+
+            def fn(params, tokens, n, sampling):
                 # 1. Final-norm states of every position: one forward, no cache written.
                 cache = KVCache.zeros(cfg.num_layers, 1, 16, cfg.num_kv_heads, cfg.head_dim, params["embed"].dtype)
                 zero = jnp.zeros((1,), jnp.int32)
@@ -72,7 +82,7 @@ class PromptScorer:
                 # 2. Per chunk: log-softmax, the next token's entry, the top entries.
                 def chunk(args):
                     hc, tc = args
-                    lp = jax.nn.log_softmax(linear(hc, params["head"]).astype(jnp.float32), axis=-1)  # [C, V]
+                    lp = logprobs(linear(hc, params["head"]), sampling)  # [C, V]
                     chosen = jnp.take_along_axis(lp, tc[:, None], axis=1)[:, 0]
                     rank = jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32) + 1
                     top_lp, top_id = jax.lax.top_k(lp, MAX_TOP)
@@ -80,24 +90,27 @@ class PromptScorer:
 
                 chosen, rank, top_lp, top_id = jax.lax.map(chunk, (h, nxt))
                 flat = lambda x: x.reshape((length,) + x.shape[2:])  # noqa: E731
-                last = jax.nn.log_softmax(
-                    linear(out.features[0, n - 1], params["head"]).astype(jnp.float32), axis=-1)
+                last = logprobs(linear(out.features[0, n - 1][None], params["head"]), sampling)[0]
                 return flat(chosen), flat(rank), flat(top_lp), flat(top_id), last
 
-            self._fns[length] = jax.jit(fn)
-        return self._fns[length]
+            self._fns[(length, processed)] = jax.jit(fn)
+        return self._fns[(length, processed)]
 
-    def score(self, prompt_ids, top: int = 0) -> PromptScores:
-        """The scores of `prompt_ids` with the `top` (0..20) likeliest tokens at each position."""
+    def score(self, prompt_ids, top: int = 0, sampling=None) -> PromptScores:
+        """The scores of `prompt_ids` with the `top` (0..20) likeliest tokens at each position;
+        `sampling` (a SamplingParams) in the runner's "processed" logprobs mode, else raw."""
         n = len(prompt_ids)
         if not 1 <= n <= self.runner.max_context:
             raise ValueError(f"a scored prompt needs 1 to {self.runner.max_context} tokens, got {n}")
         length = _length_bucket(n)
         tokens = np.zeros((1, length), np.int32)
         tokens[0, :n] = prompt_ids
+        processed = self.runner.ecfg.logprobs_mode == "processed"
+        sp = sampling if sampling is not None else SamplingParams()
+        knobs = (jnp.float32(sp.temperature), jnp.int32(sp.top_k), jnp.float32(sp.top_p))
         with self.runner.mesh_context():
             chosen, rank, top_lp, top_id, last = jax.device_get(
-                self._fn(length)(self.runner.params, jnp.asarray(tokens), jnp.int32(n)))
+                self._fn(length, processed)(self.runner.params, jnp.asarray(tokens), jnp.int32(n), knobs))
         # chosen[i] scores token i + 1 from position i: shift so entry i belongs to token i.
         token_lp = np.concatenate([[np.nan], chosen[: n - 1]]).astype(np.float32)
         k = max(0, min(int(top), MAX_TOP))
