@@ -276,6 +276,7 @@ class LLM:
         from jaxspec.models.loading import load_model
         from jaxspec.paths import enable_compilation_cache
         from jaxspec.speculative.algorithm import check_benchmark_only
+        from jaxspec.speculative.drafters import validate_config
 
         # One engine, donated caches: calls from several threads run one at a time (docs/api.md).
         self._lock = threading.Lock()
@@ -283,7 +284,7 @@ class LLM:
 
         # A config from `load_config` is validated already; one built by hand is validated here,
         # the same way, before minutes of loading.
-        cfg = cfg.validate()
+        cfg = validate_config(cfg)
         check_benchmark_only(cfg.spec, benchmark)
         mesh = resolve_mesh(mesh)
         dtype = model_dtype(cfg)

@@ -207,11 +207,9 @@ class Config:
         for ok, msg in checks:
             if not ok:
                 raise ConfigValueError(msg)
-        # [spec] is checked by the drafter registry, which knows each algorithm's needs; this is
-        # the one place a spec is validated (the engine trusts the config it is given).
-        from jaxspec.speculative.algorithm import validate_spec_config
-
-        return dataclasses.replace(self, spec=validate_spec_config(self.spec))
+        # [spec] is checked by the drafter registry, which knows each algorithm's needs, where the
+        # config becomes an engine (jaxspec.speculative.drafters.validate_config).
+        return self
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:

@@ -95,7 +95,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     """The [spec] flags, one per field of `SpecSection` (its metadata has the help); --spec lists the
     registered algorithms."""
     from jaxspec.config import SpecSection
-    from jaxspec.speculative.algorithm import registrations, valid_names
+    from jaxspec.speculative.drafters import registrations, valid_names
 
     sp = p.add_argument_group("speculative decoding")
     for dest, (flag, kw) in section_flags(SpecSection).items():
@@ -229,7 +229,7 @@ def run(args) -> int:
     from jaxspec.config import ConfigValueError
     from jaxspec.mesh import setup_mesh
     from jaxspec.prompts import read_jsonl
-    from jaxspec.speculative.algorithm import algorithm_info
+    from jaxspec.speculative.drafters import algorithm_info
 
     mesh = setup_mesh(args)  # multi-host init must come before anything touches devices
     cfg = config_from_args(args)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+import jaxspec.speculative.drafters  # noqa: F401  (registers the built-ins the lookups read)
 from jaxspec.config import SpecSection, load_config
 from jaxspec.speculative import algorithm as A
 from jaxspec.speculative.algorithm import AlgorithmInfo, SpecConfigError

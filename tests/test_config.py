@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec.config import Config, ConfigValueError, load_config
-from jaxspec.speculative.algorithm import canonical_name, validate_spec_config
+from jaxspec.speculative.drafters import canonical_name, validate_spec_config
 
 
 def test_toml_then_overrides(tmp_path):
@@ -21,18 +21,19 @@ def test_toml_then_overrides(tmp_path):
 
 
 def test_spec_is_validated_at_load_after_the_flags(tmp_path):
-    """[spec] is checked once the whole config is in: a file may leave the draft model to a flag; the
-    result holds the canonical algorithm name; what stays wrong is refused naming the field."""
-    from jaxspec.speculative.algorithm import SpecConfigError
+    """[spec] is checked once the whole config is in (where it becomes an engine): a file may leave
+    the draft model to a flag; the result holds the canonical algorithm name; what stays wrong is
+    refused naming the field."""
+    from jaxspec.speculative.drafters import SpecConfigError, validate_config
 
     f = tmp_path / "s.toml"
     f.write_text('[spec]\nalgorithm = "MLP_Speculator"\n')
     with pytest.raises(SpecConfigError, match="'mlp_speculator' needs a draft model"):
-        load_config(f)
-    cfg = load_config(f, {"spec.draft_model": "/heads/mlp"})
+        validate_config(load_config(f))
+    cfg = validate_config(load_config(f, {"spec.draft_model": "/heads/mlp"}))
     assert (cfg.spec.algorithm, cfg.spec.draft_model) == ("mlp_speculator", "/heads/mlp")
     with pytest.raises(SpecConfigError, match="spec.tree_choices .* read by medusa only"):
-        load_config(f, {"spec.draft_model": "/heads/mlp", "spec.tree_choices": "[[0]]"})
+        validate_config(load_config(f, {"spec.draft_model": "/heads/mlp", "spec.tree_choices": "[[0]]"}))
 
 
 @pytest.mark.parametrize(

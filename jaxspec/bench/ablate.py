@@ -111,7 +111,8 @@ def _nan_none(xs) -> list:
 def check_point(point: Point) -> str | None:
     """Why the point cannot run (the spec validator's message), or None. Drafts load later."""
     from jaxspec.config import SpecSection
-    from jaxspec.speculative.algorithm import algorithm_info, check_request_sampling, validate_spec_config
+    from jaxspec.speculative.algorithm import check_request_sampling
+    from jaxspec.speculative.drafters import algorithm_info, validate_spec_config
 
     if point.kind == "baseline":
         return None

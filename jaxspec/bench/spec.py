@@ -146,7 +146,7 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15, cpu_kernels: str 
 def shipped_head_methods(model) -> dict:
     """Rows for the heads shipped in checkpoints/ (`--draft-model default`), when present."""
     from jaxspec.config import SpecSection
-    from jaxspec.speculative.algorithm import registrations, shipped_head
+    from jaxspec.speculative.drafters import registrations, shipped_head
     from jaxspec.speculative.drafters.load import load_draft
 
     shapes = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),

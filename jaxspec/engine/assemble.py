@@ -61,7 +61,7 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
     (`serve.adaptive_steps` under `serve.adaptive`, else the configured one), chunked prefill
     (`serve.prefill_chunk`), and pages sized from free memory under `serve.kv_memory_fraction`.
     `split_pages` (a mesh with data > 1): a page pool per data shard; None = `serve.split_pages`."""
-    from jaxspec.speculative.algorithm import algorithm_info
+    from jaxspec.speculative.drafters import algorithm_info
 
     spec, s, ecfg = cfg.spec, cfg.serve, cfg.engine
     spec_on = algorithm_info(spec.algorithm).speculative

@@ -20,7 +20,7 @@ from jaxspec.engine.phases import decode_phases
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import Request, RequestError, Result, RowInput, bucket_for
 from jaxspec.sampling_params import SamplingParams
-from jaxspec.speculative.algorithm import algorithm_info
+from jaxspec.speculative.drafters import algorithm_info
 
 
 class Engine:

@@ -60,8 +60,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
 from jaxspec.sampling_params import SamplingParams
-from jaxspec.speculative.algorithm import algorithm_info
-from jaxspec.speculative.drafters import build_drafter, reserve_tokens
+from jaxspec.speculative.drafters import algorithm_info, build_drafter, registration, reserve_tokens
 from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
 
@@ -158,7 +157,7 @@ class ModelRunner:
     def _plan(self, spec, benchmark: bool, ngram_corpus) -> SpecPlan:
         """The plan of a loaded (validated) spec; only the benchmark-only mode is a front end's choice."""
         from jaxspec.config import SpecSection
-        from jaxspec.speculative.algorithm import check_benchmark_only, registration
+        from jaxspec.speculative.algorithm import check_benchmark_only
 
         if not self.speculative:  # plain decoding: the k = 0 plan, any sampling allowed
             self.spec = SpecSection()

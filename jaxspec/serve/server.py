@@ -129,6 +129,9 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     replicated pool; None = `cfg.serve.split_pages` where the config has it, else on."""
     from jaxspec.engine.assemble import assemble, model_dtype, stop_token_ids
     from jaxspec.models.loading import load_model
+    from jaxspec.speculative.drafters import validate_config
+
+    cfg = validate_config(cfg)  # before minutes of loading
 
     dtype = model_dtype(cfg)
     enable_compilation_cache(cfg)

@@ -9,10 +9,13 @@ A registration is everything the rest of jaxspec may know about a drafter:
   instead of silently ignoring them;
 - its loader (the draft weights a spec names) and its builder (the drafter object of a plan).
 
-The built-in drafters register in their own modules (`jaxspec/speculative/drafters/*.py`), which
-the first lookup imports; plugins register the same way from their own modules, found through the
-`jaxspec.drafters` entry point or $JAXSPEC_PLUGINS the first time a name is not known. The config
-is validated once, when it is loaded (`Config.validate` calls `validate_spec_config`).
+The built-in drafters register in their own modules (`jaxspec/speculative/drafters/*.py`); importing
+`jaxspec.speculative.drafters` registers them all and re-exports the lookups below, which is how
+the rest of jaxspec reaches them (this module imports no drafter, so there is no import cycle; a
+lookup before the built-ins are registered is an error saying so). Plugins register the same way
+from their own modules, found through the `jaxspec.drafters` entry point or $JAXSPEC_PLUGINS the
+first time a name is not known. A config is validated once, where it becomes an engine
+(`drafters.validate_config`, called by `jaxspec.LLM` and `build_server` before loading).
 """
 
 from __future__ import annotations
@@ -98,7 +101,6 @@ def check_request_sampling(verify: str, temperature: float) -> None:
 
 _REGISTRY: dict[str, Registration] = {}  # canonical name -> registration, in registration order
 _ALIASES: dict[str, str] = {}  # alias -> canonical name
-_builtins_loaded = False
 # Plugins from outside the package: modules (or functions) named by this entry-point group in an
 # installed distribution, and modules listed in $JAXSPEC_PLUGINS (comma-separated). They are
 # imported the first time a name is looked up and not known, so the CLI, `jaxspec.LLM` and the
@@ -108,12 +110,10 @@ PLUGIN_ENV = "JAXSPEC_PLUGINS"
 _plugins_loaded = False
 
 
-def _load_builtins() -> None:
-    """Import the built-in drafter modules once; each registers itself at import."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        import jaxspec.speculative.drafters  # noqa: F401
+def _require_builtins() -> None:
+    if not any(r.builtin for r in _REGISTRY.values()):
+        raise SpecConfigError("no built-in drafter is registered: import jaxspec.speculative.drafters (it registers "
+                              "them) before looking an algorithm up")
 
 
 def load_plugins() -> None:
@@ -123,7 +123,6 @@ def load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True  # first: a plugin that looks a name up while importing must not recurse
-    _load_builtins()
     import importlib
     import os
     from importlib.metadata import entry_points
@@ -163,8 +162,6 @@ def register(name: str, info: AlgorithmInfo, factory: Callable[..., Any] | None 
     if not set(reads) <= set(owned):
         raise SpecConfigError(f"register({name!r}): reads must name owned spec fields ({', '.join(owned)}); "
                               f"got {list(reads)}")
-    if not builtin:
-        _load_builtins()  # so a plugin cannot take a built-in's name before the built-ins load
     key = name.strip().lower()
     keys = (key,) + tuple(a.strip().lower() for a in aliases)
     for k in keys:
@@ -199,7 +196,7 @@ def unregister(name: str) -> None:
 
 
 def registrations() -> tuple[Registration, ...]:
-    _load_builtins()
+    _require_builtins()
     return tuple(_REGISTRY.values())
 
 
@@ -226,7 +223,7 @@ def canonical_name(name: str) -> str:
     """Lowercase canonical name of a built-in, alias or plugin; raise if unknown."""
     if not isinstance(name, str):
         raise SpecConfigError(f"algorithm name must be a string, got {name!r}")
-    _load_builtins()
+    _require_builtins()
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key in _REGISTRY:
@@ -352,8 +349,8 @@ def _drafter_checks(s: SpecSection, reg: Registration) -> list[tuple[bool, str]]
 
 
 def validate_spec_config(spec: SpecSection) -> SpecSection:
-    """Check [spec]; return it with `algorithm` canonicalised. `Config.validate` calls this when a
-    config is loaded, the one place a spec is validated.
+    """Check [spec]; return it with `algorithm` canonicalised. `drafters.validate_config` calls this
+    where a config becomes an engine, the one place a spec is validated.
 
     Raises SpecConfigError naming the field at the first problem. With algorithm "none" only field
     ranges are checked (the drafter fields are unused), except that simulate_accept_length needs a

@@ -24,7 +24,7 @@ class HeadEngine:
         self.hcfg, self.target, self.draft_ids = hcfg, target, draft_ids
         self.prompts = [list(map(int, p)) for p in prompts]
         self.max_new_tokens = max_new_tokens
-        from jaxspec.speculative.algorithm import algorithm_for_head
+        from jaxspec.speculative.drafters import algorithm_for_head
 
         self.spec_kw = dict(algorithm=algorithm_for_head(hcfg.kind), num_draft_tokens=num_draft_tokens, topk=topk,
                             num_steps=num_steps)

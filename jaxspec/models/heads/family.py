@@ -14,7 +14,8 @@ its published format both ways and its training recipe:
                                                 models/ never imports train/
 
 `parse_head_config`, `load_draft_head`, `head_config` / `init_head_params` and `export_head` dispatch
-through `family_of(kind)`; adding a family is one module here plus its `register_family` call.
+through `family_of(kind)`; adding a family is one module here plus its `register_family` call (and
+its import in the package's __init__; a family from outside registers from its own module).
 The math each family runs at draft time stays beside it (attn_head.py, medusa.py, ...).
 """
 
@@ -34,7 +35,8 @@ LAYER_TENSORS = {
     "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
-# The family modules, imported (so registered) on the first lookup, in detection order.
+# The families in detection order (an EAGLE-3 config is also a one-layer Llama config, so EAGLE-3 is
+# asked before EAGLE-1). The package's __init__ imports their modules, which register.
 MODULES = ("mlp_speculator", "medusa", "block", "eagle3", "eagle")
 
 
@@ -65,7 +67,6 @@ class HeadFamily:
 
 
 _FAMILIES: list[HeadFamily] = []
-_loaded = False
 
 
 def register_family(family: HeadFamily) -> HeadFamily:
@@ -83,11 +84,6 @@ def unregister_family(name: str) -> None:
 
 def families() -> tuple[HeadFamily, ...]:
     """Every family, in detection order."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for m in MODULES:
-            importlib.import_module(f"jaxspec.models.heads.{m}")
     order = {m: i for i, m in enumerate(MODULES)}
     return tuple(sorted(_FAMILIES, key=lambda f: order.get(f.name, len(order))))
 

@@ -1,21 +1,36 @@
-"""The built-in drafters, and how the engine builds the drafter of a plan.
+"""The built-in drafters, the registry's lookups, and how the engine builds the drafter of a plan.
 
 Each module here implements `jaxspec.speculative.protocol.Drafter` and registers its algorithm
 (`jaxspec.speculative.algorithm.register`) at import: importing this package registers them all,
-in the order `builtin_names()` lists them. Plugins register the same way from their own modules.
+in the order `builtin_names()` lists them, and re-exports the lookups, so code that asks about an
+algorithm imports them from here. Plugins register the same way from their own modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
-from jaxspec.speculative.algorithm import SpecConfigError, registration
+from jaxspec.speculative.algorithm import (  # noqa: F401  (the lookups, re-exported with the built-ins registered)
+    SpecConfigError, algorithm_for_head, algorithm_info, builtin_names, canonical_name, registration, registrations,
+    shipped_head, valid_names, validate_spec_config,
+)
 from jaxspec.speculative.drafters import plain, ngram, standalone, eagle, heads, block  # noqa: F401  (registers)
 from jaxspec.speculative.protocol import Drafter, check_drafter
 
 if TYPE_CHECKING:
-    from jaxspec.config import SpecSection
+    from jaxspec.config import Config, SpecSection
     from jaxspec.speculative.loop import SpecPlan
+
+__all__ = ["SpecConfigError", "algorithm_for_head", "algorithm_info", "build_drafter", "builtin_names",
+           "canonical_name", "registration", "registrations", "reserve_tokens", "shipped_head", "valid_names",
+           "validate_config", "validate_spec_config"]
+
+
+def validate_config(cfg: "Config") -> "Config":
+    """`cfg` with its [spec] validated and the algorithm canonicalised: what `jaxspec.LLM` and the
+    server call once, before loading, where a config becomes an engine."""
+    return dataclasses.replace(cfg.validate(), spec=validate_spec_config(cfg.spec))
 
 
 def build_drafter(plan: "SpecPlan", spec: "SpecSection", *, draft_cfg=None, catch_up_width: int = 0,
