@@ -51,12 +51,12 @@ def _length_bucket(n: int) -> int:
 
 
 class PromptScorer:
-    """Scores prompts with a runner's weights (read only: the runner's caches are never touched, so
+    """Scores token sequences with a runner's weights (read only: the runner's caches are never touched, so
     a scoring call may run beside its decode calls)."""
 
     def __init__(self, runner):
         self.runner = runner
-        self._fns: dict[int, object] = {}
+        self._fns: dict[tuple[int, bool], object] = {}  # (padded length, processed mode) -> jitted scorer
 
     def _fn(self, length: int, processed: bool):
         if (length, processed) not in self._fns:
