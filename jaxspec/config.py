@@ -68,7 +68,7 @@ class SamplingSection:
 def opt(default: Any, help: str, *, flag: str = "", metavar: str | None = None,
         choices: tuple[str, ...] | None = None, owned: bool = False) -> Any:
     """A config field with its command-line flag: the CLI and the server generate their flags from
-    this metadata (`jaxspec.generate.add_section_args`), so a new option is one field here.
+    this metadata (`jaxspec.generate.section_flags`), so a new option is one field here.
 
     flag: the flag's name without dashes ("" = the field's name, with dashes); "-" = no flag.
     owned: only the drafters that list the field in their registration (`reads`) use it, so any
