@@ -237,7 +237,7 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
         raise APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
                        type_="server_error")
     logprobs = None
-    if scoring is not None:  # one forward per prompt, off the event loop (the runner's weights, read only)
+    if scoring is not None:  # one forward per choice, off the event loop (the runner's weights, read only)
         texts, logprobs = await asyncio.to_thread(_score_choices, server, kind, *scoring, texts, ids)
     return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
                              completion_tokens, logprobs)

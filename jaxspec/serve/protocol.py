@@ -46,8 +46,8 @@ class GenParams(SamplingParams):
 
     stream: bool = False
     include_usage: bool = False
-    # Completions only: the prompt's text before the completion, and per-token log-probabilities with
-    # the `logprobs` likeliest at each position (the prompt's too with echo; engine/scoring.py).
+    # echo (completions): the prompt's text before the completion; logprobs: per-token log-probabilities
+    # with the N likeliest at each position (the prompt's too with echo; engine/scoring.py).
     echo: bool = False
     logprobs: int | None = None
 
