@@ -40,8 +40,8 @@ def malformed_corpus(model_name: str, vocab: int) -> list[tuple[str, str, bytes 
         "seed": [1.5, "7", [1], 2**64, 2**32, -1],  # the sampler's seed is a uint32
         "stop": [1, [1, 2], [""], ["a"] * 17, {"a": 1}],
         "stream": ["yes", 1, [True]],
-        "logprobs": [True, 3],
-        "echo": [True],
+        "logprobs": [True, 21, -1, "3"],  # completions: an integer in [0, 20]
+        "echo": ["yes", 1],
         "presence_penalty": [0.5, "1"],
         "frequency_penalty": [1.0],
         "stream_options": ["x", {"include_usage": "yes"}],
