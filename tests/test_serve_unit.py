@@ -112,7 +112,7 @@ def test_parse_errors_name_the_field():
     ids = [1, 2]
     for body, param in [({"prompt": ids, "max_tokens": True}, "max_tokens"), ({"prompt": ids, "n": 0}, "n"),
                         ({"prompt": ids, "temperature": "hot"}, "temperature"), ({"prompt": ids, "stop": [1]}, "stop"),
-                        ({"prompt": [1, 10**9]}, "prompt"), ({"prompt": ids, "logprobs": 2}, "logprobs"),
+                        ({"prompt": [1, 10**9]}, "prompt"), ({"prompt": ids, "logprobs": 21}, "logprobs"),
                         ({"prompt": "text"}, "prompt")]:
         with pytest.raises(APIError) as e:
             parse_completion(body, None, 1000, 16)
