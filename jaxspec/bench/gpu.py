@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.common import median, print_table
+from jaxspec.bench.common import median, print_table, timed
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -123,12 +123,7 @@ def copy_bandwidth(nbytes: int) -> float:
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
     f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / median(times)  # read + write
+    return 2 * nbytes / median(timed(lambda: f(x).block_until_ready(), 10))  # read + write
 
 
 def decode_rates(cfg, params, batches, new_tokens: int, prompt_len: int, spec=None) -> dict[int, float]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.bench.common import timed
 from jaxspec.cache.attention import paged_attention_ref, visibility_mask
 from jaxspec.pallas.paged_attention import paged_attention_pallas
 
@@ -66,12 +66,7 @@ def make_case(rng, *, b, t, h, kvh, hd, page_size, max_len, tree, dtype, pad_row
 
 def median_time(fn, reps: int = 20) -> float:
     jax.block_until_ready(fn())  # compile outside the timing
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(timed(lambda: jax.block_until_ready(fn()), reps)))
 
 
 def check(name: str, case: dict, scale: float, interpret: bool = False, **kernel_kw) -> bool:

