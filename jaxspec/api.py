@@ -343,7 +343,7 @@ class LLM:
                 raise SamplingError("stop", f"{where}: stop strings need a tokenizer, and this model has none")
             samples = list(enumerate(sample_seeds(sp)))
             for group in [samples] if sp.greedy else [[s] for s in samples]:
-                req = Request(p, sp, seed=group[0][1], stop_token_ids=() if sp.ignore_eos else self.eos_token_ids)
+                req = Request(p, sp, seed=group[0][1], stop_token_ids=sp.stop_ids(self.eos_token_ids))
                 try:  # here, so the error names the prompt
                     self.engine.validate(req)
                 except RequestError as e:
@@ -437,9 +437,9 @@ class LLM:
         if self._scorer is None:
             from jaxspec.engine.scoring import PromptScorer
 
-            self._scorer = PromptScorer(self.engine.runner)
+            self._scorer = PromptScorer(self.engine.runner, self.eos_token_ids)
         seq = list(context) + list(tokens)
-        sc = self._scorer.score(seq, top, sp)
+        sc = self._scorer.score(seq, top, sp, prompt_len=len(seq) if first else len(context))
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         out: list = [None] if first else []
         for i in range(len(context), len(seq)):

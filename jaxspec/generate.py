@@ -169,16 +169,20 @@ def with_model_sampling(cfg, rebuild, quiet: bool = False):
 
 
 INPUT_FIELDS = frozenset({"messages", "prompt", "prompt_ids", "_where"})
+# SamplingParams fields a JSONL line may set beyond ENGINE_FIELDS (checked by SamplingParams itself).
+LINE_FIELDS = ("prompt_logprobs", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "logit_bias", "min_tokens", "stop_token_ids")
 
 
 def line_sampling(entry: dict, s, i: int):
     """The SamplingParams of input line i: its own max_new_tokens, temperature, top_p, top_k and
-    seed over the [sampling] defaults (request i's seed is seed+i). PromptError naming the line."""
+    seed over the [sampling] defaults (request i's seed is seed+i), and any LINE_FIELDS.
+    PromptError naming the line."""
     from jaxspec.prompts import PromptError
     from jaxspec.sampling_params import ENGINE_FIELDS, SamplingError, SamplingParams, check_value
 
     where = entry.get('_where', f'prompt {i}')
-    known = set(ENGINE_FIELDS) | {"prompt_logprobs", "logprobs"}
+    known = set(ENGINE_FIELDS) | set(LINE_FIELDS)
     unknown = sorted(k for k in entry if k not in INPUT_FIELDS and k not in known)
     if unknown and INPUT_FIELDS & set(entry) - {"_where"}:  # (no prompt at all: encode_entry says so) a field that would be silently ignored (say repetition_penalty) changes the output unseen
         raise PromptError(f"{where}: unknown field {unknown[0]!r}; an input line may hold "
@@ -192,8 +196,8 @@ def line_sampling(entry: dict, s, i: int):
             except SamplingError as e:
                 raise PromptError(f"{where}: {e}") from None
     try:
-        return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos,
-                              prompt_logprobs=entry.get("prompt_logprobs"), logprobs=entry.get("logprobs"), **values)
+        return SamplingParams(max_tokens=values.pop("max_new_tokens"), ignore_eos=s.ignore_eos, **values,
+                              **{k: entry[k] for k in LINE_FIELDS if entry.get(k) is not None})
     except SamplingError as e:
         raise PromptError(f"{where}: {e}") from None
 

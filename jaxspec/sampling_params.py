@@ -54,7 +54,18 @@ BOUNDS: dict[str, Bound] = {
     "n": Bound(True, lambda v: v >= 1, "an integer", ">= 1"),
     "prompt_logprobs": Bound(True, lambda v: 0 <= v <= 20, "an integer", "in [0, 20]"),
     "logprobs": Bound(True, lambda v: 0 <= v <= 20, "an integer", "in [0, 20]"),
+    # OpenAI's ranges for its two penalties and the bias; vLLM's for its extensions.
+    "presence_penalty": Bound(False, lambda v: -2 <= v <= 2, "a number", "in [-2, 2]"),
+    "frequency_penalty": Bound(False, lambda v: -2 <= v <= 2, "a number", "in [-2, 2]"),
+    "repetition_penalty": Bound(False, lambda v: 0 < v <= 100, "a number", "in (0, 100]"),
+    "min_tokens": Bound(True, lambda v: 0 <= v < 2**31, "an integer", "in [0, 2^31)"),
+    "logit_bias_value": Bound(False, lambda v: -100 <= v <= 100, "a number", "in [-100, 100]"),
+    "token_id": Bound(True, lambda v: 0 <= v < 2**31, "a token id", ">= 0"),
 }
+
+# Entries a request's logit_bias may hold (OpenAI's cap): the device carries them as a fixed-width
+# sparse list, so the cap is also that width (`engine.device_sampling`).
+MAX_LOGIT_BIAS = 300
 
 # The user-facing CLI names (the [sampling] config section, --max-new-tokens, JSONL lines), kept
 # for their users: their name -> the SamplingParams field whose rule they follow. Inside, from the
@@ -109,6 +120,41 @@ def check_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
     return tuple(value)
 
 
+def check_logit_bias(value: Any, name: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: a {token id: bias} mapping whose keys may be
+    strings of integers (JSON objects have string keys), or None."""
+    if value is None:
+        return ()
+    if isinstance(value, (tuple, list)) and all(isinstance(e, (tuple, list)) and len(e) == 2 for e in value):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise SamplingError(name, f"{name} must be an object mapping token ids to biases, got {shown(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise SamplingError(name, f"{name} must hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        tid = key
+        if isinstance(key, str):
+            tid = int(key) if key.strip().lstrip("-").isdigit() else None
+        tid = as_number(tid, True) if tid is not None else None
+        if tid is None or not BOUNDS["token_id"].ok(tid):
+            raise SamplingError(name, f"{name} keys must be token ids (integers >= 0), got {shown(key)}")
+        out[tid] = check_value("logit_bias_value", bias, f"{name}[{tid}]")
+    return tuple(sorted(out.items()))
+
+
+def check_token_ids(value: Any, name: str = "stop_token_ids") -> tuple[int, ...]:
+    """A list of token ids as a tuple (None: empty)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise SamplingError(name, f"{name} must be a list of token ids, got {shown(value)}")
+    ids = [as_number(v, True) for v in value]
+    if any(v is None or not BOUNDS["token_id"].ok(v) for v in ids):
+        raise SamplingError(name, f"{name} must be a list of token ids (integers >= 0), got {shown(value)}")
+    return tuple(dict.fromkeys(ids))
+
+
 def check_bool(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise SamplingError(field, f"{field} must be a boolean, got {shown(value)}")
@@ -133,6 +179,14 @@ class SamplingParams:
     logprobs / prompt_logprobs: None = off; N = each generated / prompt token's log-probability
         under the target's raw distribution, with the N likeliest tokens at its position
         (`CompletionOutput.logprobs`, `RequestOutput.prompt_logprobs`; jaxspec/engine/scoring.py).
+    presence_penalty / frequency_penalty: OpenAI's, over the output so far: a token's logit
+        loses presence_penalty once it has appeared and frequency_penalty per appearance.
+    repetition_penalty: vLLM's (and HF's) multiplicative one over prompt + output: a seen
+        token's logit is divided by it when positive, multiplied by it when not. 1 = off.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (before the penalties).
+    min_tokens: no stop token (EOS, stop_token_ids) may end the output before this many tokens.
+    stop_token_ids: token ids that end the output besides the model's EOS (kept in the output).
+    All of them apply at every position, drafts included: `jaxspec/speculative/penalties.py`.
 
     A bad value raises SamplingError (a ValueError) naming the field, with the
     messages the CLI and the server give. Strings and lists for `stop` are
@@ -149,16 +203,39 @@ class SamplingParams:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Frozen: normalised values go in through object.__setattr__, once, here.
-        for f in ("temperature", "top_p", "top_k", "max_tokens", "n"):
+        for f in ("temperature", "top_p", "top_k", "max_tokens", "n", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_tokens"):
             object.__setattr__(self, f, check_value(f, getattr(self, f)))
         for f in ("seed", "prompt_logprobs", "logprobs"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, check_value(f, getattr(self, f)))
         object.__setattr__(self, "stop", check_stop(self.stop))
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        object.__setattr__(self, "stop_token_ids", check_token_ids(self.stop_token_ids))
         check_bool("ignore_eos", self.ignore_eos)
+        if self.min_tokens > self.max_tokens:
+            raise SamplingError("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                                              f"got {self.min_tokens}")
+
+    def stop_ids(self, eos: Sequence[int]) -> tuple[int, ...]:
+        """The token ids that end this request's output: the model's `eos` (unless ignore_eos)
+        and stop_token_ids. The one rule every front end uses."""
+        return tuple(dict.fromkeys((() if self.ignore_eos else tuple(eos)) + self.stop_token_ids))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logit processor that reads the tokens before a position is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

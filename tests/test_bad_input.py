@@ -47,8 +47,12 @@ def one_line_error(code: int, err: str) -> str:
         ([], {"max_new_tokens": True}, "max_new_tokens must be an integer >= 1, got true"),
         ([], {"seed": 2**40}, "seed must be an integer in [0, 2^32)"),
         ([], {"seed": "7"}, "seed must be an integer in [0, 2^32)"),
-        # Issue 23: ignored silently, it ran with no penalty and no word.
-        ([], {"repetition_penalty": 1.3}, "p.jsonl:1: unknown field 'repetition_penalty'"),
+        # Issue 23: a field ignored silently ran with no word; now an unknown one is refused.
+        ([], {"repetition_pen": 1.3}, "p.jsonl:1: unknown field 'repetition_pen'"),
+        ([], {"repetition_penalty": 0}, "p.jsonl:1: repetition_penalty must be a number in (0, 100], got 0"),
+        ([], {"presence_penalty": 3}, "p.jsonl:1: presence_penalty must be a number in [-2, 2], got 3"),
+        ([], {"logit_bias": {"7": 200}}, "p.jsonl:1: logit_bias[7] must be a number in [-100, 100], got 200"),
+        ([], {"stop_token_ids": [10**6], "max_new_tokens": 8}, "stop_token_ids: token id 1000000 is outside the vocabulary"),
     ],
 )
 def test_bad_cli_input_is_one_line_error(tiny_dirs, tmp_path, capsys, flags, line, message):

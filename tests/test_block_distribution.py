@@ -61,8 +61,8 @@ def test_block_drafter_with_a_wrong_q_fails(tiny, heads, monkeypatch):  # noqa: 
 
     real = block_mod.choose_draft
 
-    def uniform_q(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled=False):
-        tok, q = real(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled)
+    def uniform_q(logits, s, prev, d2t, vocab, sample, coupled=False):
+        tok, q = real(logits, s, prev, d2t, vocab, sample, coupled)
         return tok, jnp.full_like(q, 1.0 / vocab)
 
     monkeypatch.setattr(block_mod, "choose_draft", uniform_q)

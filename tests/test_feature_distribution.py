@@ -155,8 +155,8 @@ def test_loop_with_a_wrong_draft_q_fails(tiny, heads, exact, monkeypatch, kind):
 
     real = eagle_mod.choose_draft
 
-    def wrong_q(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled=False):
-        tok, q = real(logits, sampling, hist_len, depth, d2t, vocab, sample, coupled)
+    def wrong_q(logits, s, prev, d2t, vocab, sample, coupled=False):
+        tok, q = real(logits, s, prev, d2t, vocab, sample, coupled)
         if kind == "uniform":
             return tok, jnp.full_like(q, 1.0 / vocab)
         return tok, jnp.zeros_like(q).at[:, : d2t.shape[0]].set(q[:, d2t])

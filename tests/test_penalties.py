@@ -94,6 +94,34 @@ def test_processors_equal_numpy_per_node():
     assert np.array_equal(got[1], logits[1])
 
 
+def test_draft_logits_are_processed_under_their_prefix():
+    """A chain drafter's next draft (after `prev`) on a reduced vocabulary: its logits processed as
+    the target's are at that position, read through d2t."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(2)
+    b, v, vd, c = 2, 30, 12, 16
+    params = [SamplingParams(presence_penalty=1.1, frequency_penalty=0.4, repetition_penalty=1.5,
+                             logit_bias={int(t): 3.0 for t in (4, 9)}, min_tokens=6, max_tokens=20),
+              SamplingParams(frequency_penalty=1.0)]
+    sp = DeviceSampling.pack([_row(p, (1,)) for p in params], b)
+    history = rng.integers(0, v, size=(b, c)).astype(np.int32)
+    prompt_lens, hist_len = np.array([4, 6]), np.array([9, 7])
+    d2t = np.sort(rng.choice(v, vd, replace=False)).astype(np.int32)
+    prev = [rng.integers(0, v, size=b).astype(np.int32) for _ in range(2)]
+    logits = rng.normal(0, 3, size=(b, vd)).astype(np.float32)
+    s = SimpleNamespace(sampling=sp, history=jnp.asarray(history), hist_len=jnp.asarray(hist_len),
+                        prompt_lens=jnp.asarray(prompt_lens))
+    got = np.asarray(penalties.penalize_draft(jnp.asarray(logits), s, [jnp.asarray(t) for t in prev],
+                                              jnp.asarray(d2t), v))
+    for r in range(b):
+        prefix = history[r, :hist_len[r]].tolist() + [int(t[r]) for t in prev]
+        full = np.full(v, -1e9)
+        full[d2t] = logits[r]
+        want = np_process(full, prefix[:prompt_lens[r]], prefix[prompt_lens[r]:], params[r], (1,))[d2t]
+        np.testing.assert_allclose(got[r], want.astype(np.float32), rtol=1e-6, atol=1e-5)
+
+
 def test_nothing_runs_without_penalties():
     """A batch that asks for nothing gets its logits back as they were (the cond's identity branch)."""
     sp = DeviceSampling.pack([_row(SamplingParams())] * 2, 2)
@@ -268,3 +296,22 @@ def test_chi_square_detects_path_blind_penalties(v8, monkeypatch):
     toks, _ = sampled_first_three(v8_engine(v8, "eagle3-chain"))
     p = chi_square_p(joint_counts(toks), exact_penalized_joint(hf, SAMPLED))
     assert p < 1e-6, f"path-blind penalties went unnoticed: p={p:.2e}"
+
+
+def test_processed_logprobs_include_the_penalties(tiny_dirs):
+    """engine.logprobs_mode = "processed": each generated token's log-probability under the distribution
+    it was sampled from, the penalties of its own prefix included (numpy over HF logits)."""
+    from tests.test_loop_distribution import _filtered
+
+    path, hf = tiny_dirs["llama"]
+    llm = LLM(str(path), progress=False, logprobs_mode="processed", spec="ngram", **ENGINE)
+    ids = PROMPTS[1]
+    sp = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2, presence_penalty=0.7,
+                        frequency_penalty=0.3, repetition_penalty=1.4, logit_bias={12: 2.0}, min_tokens=5)
+    out = llm.generate([ids], sp)[0].outputs[0]
+    gen = out.token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + gen])).logits[0].double().numpy()
+    for j, t in enumerate(gen):
+        p = _filtered(np_process(logits[len(ids) + j - 1], ids, gen[:j], sp, llm.eos_token_ids), sp.temperature, 1.0)
+        assert abs(out.logprobs[j][t].logprob - np.log(p[t])) < 3e-4, (j, out.logprobs[j][t], np.log(p[t]))

@@ -42,8 +42,12 @@ def malformed_corpus(model_name: str, vocab: int) -> list[tuple[str, str, bytes 
         "stream": ["yes", 1, [True]],
         "logprobs": [True, 21, -1, "3"],  # completions: an integer in [0, 20]
         "echo": ["yes", 1],
-        "presence_penalty": [0.5, "1"],
-        "frequency_penalty": [1.0],
+        "presence_penalty": [2.5, "1", -3, True],  # OpenAI's range, [-2, 2]
+        "frequency_penalty": [-2.01, [1]],
+        "repetition_penalty": [0, -1, 101, "1.2"],
+        "min_tokens": [-1, 1.5, 11],  # at most max_tokens (OK_COMPLETION's is 10)
+        "logit_bias": [[1], {"x": 1}, {"5": 101}, {"-1": 1}, {str(vocab): 1}, {str(i): 1 for i in range(301)}],
+        "stop_token_ids": [5, [-1], ["a"], [vocab], list(range(17))],
         "stream_options": ["x", {"include_usage": "yes"}],
         "prompt": [None, "", [], [[]], [1.5, 2], [-1], [vocab], [True], {"a": 1}, 5, ["ok", 3], [[1, 2], "x", 7],
                    ["x"] * 17],

@@ -15,6 +15,7 @@ belong to the machine at hand and to what else ran on it meanwhile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import re
@@ -84,9 +85,9 @@ def make_verify_fn(cfg, accept: tuple[float, int, float] | None = None):
         t, k, p = accept
         if t <= 0:
             return out.cache, argmax_last(out.logits)
-        sp = DeviceSampling(temperature=jnp.full((b,), t, jnp.float32), top_k=jnp.full((b,), k, jnp.int32),
-                            top_p=jnp.full((b,), p, jnp.float32), seed=jnp.arange(b, dtype=jnp.uint32),
-                            stop_ids=jnp.full((b, 1), -1, jnp.int32), max_tokens=jnp.ones((b,), jnp.int32))
+        sp = dataclasses.replace(DeviceSampling.pack([None] * b, b), temperature=jnp.full((b,), t, jnp.float32),
+                                 top_k=jnp.full((b,), k, jnp.int32), top_p=jnp.full((b,), p, jnp.float32),
+                                 seed=jnp.arange(b, dtype=jnp.uint32))
         depth = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
         return out.cache, coupled_predict(out.logits, depth, sp, seq_lens + 1, w - 1)
 

@@ -27,29 +27,34 @@ from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.speculative.loop import SpecState
+from jaxspec.speculative.penalties import penalize
 from jaxspec.speculative.sampling import sample_token
 from jaxspec.speculative.types import Committed
 
 
 def make_chunk_prefill_fn(cfg: ModelConfig, drafter):
     """prefill(params, draft_params, cache, draft_state, tokens [B, L], q_start [B], chunk_lens [B],
-    page_table [B, P], sampling) -> (cache, draft_state, first [B]).
+    page_table [B, P], sampling, history [B, H], prompt_lens [B]) -> (cache, draft_state, first [B]).
 
     One chunk of up to L prompt tokens per row at cache slots q_start..
     (chunk_lens 0 = padding row); `first` is the token sampled at each chunk's
     end, seeded by its absolute position (what a chunk that finishes the
-    prompt emits). `drafter` may be None (plain decoding).
+    prompt emits). `history` holds each row's whole prompt (+ any output before a
+    re-prefill), which the penalties read (speculative/penalties.py).
+    `drafter` may be None (plain decoding).
     """
     want = drafter.target_features if drafter is not None else None
 
-    def prefill_fn(params, draft_params, cache, draft_state, tokens, q_start, chunk_lens, page_table, sampling):
+    def prefill_fn(params, draft_params, cache, draft_state, tokens, q_start, chunk_lens, page_table, sampling,
+                   history, prompt_lens):
         positions = q_start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         kv_len = q_start + chunk_lens
         last = jnp.maximum(chunk_lens - 1, 0)[:, None]
         capture = {} if want is None else dict(capture_layers=want.layers, capture_final=want.final_norm)
         out = forward(params, cfg, tokens, positions, cache, page_table, q_start=q_start, kv_len=kv_len,
                       logits_index=last, **capture)
-        first = sample_token(out.logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
+        logits = penalize(out.logits, sampling, history, kv_len, prompt_lens)
+        first = sample_token(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
                              sampling.seed, kv_len)
         if drafter is not None:
             chunk = Committed(tokens, out.features, q_start, chunk_lens)
@@ -120,8 +125,9 @@ def with_row_state(draft_like, rows, cache: KVCache | None):
 def prefill_adapter(chunk_prefill):
     """The shared chunked prefill with the drafter state third (what `with_slots` expects)."""
 
-    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling):
-        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling)
+    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling, history, prompt_lens):
+        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling,
+                                            history, prompt_lens)
         return cache, first, draft
 
     return fn

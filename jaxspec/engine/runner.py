@@ -384,7 +384,8 @@ class ModelRunner:
                 _, b, c = key
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
                 batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
-                                            DeviceSampling.abstract(b)), self.mesh, self.split_pages)
+                                            DeviceSampling.abstract(b), i32(b, self.max_context), i32(b)),
+                                           self.mesh, self.split_pages)
                 return self._jit(self._prefill, key), (self.params, self.draft_params, self.store, batch[0],
                                                        self.cache, *batch[1:])
             _, k, b, ctx = key
@@ -430,7 +431,6 @@ class ModelRunner:
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: Sequence[int]) -> None:
         """RequestError naming what makes this request impossible to serve here."""
-        from jaxspec.engine.device_sampling import MAX_STOP_IDS
         from jaxspec.speculative.algorithm import check_request_sampling
 
         if not prompt_ids:
@@ -442,12 +442,24 @@ class ModelRunner:
         if len(prompt_ids) + max_tokens + self.reserve > self.max_context:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} (+{self.reserve} "
                                f"draft-tree slots) exceeds the context of {self.max_context} tokens")
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise RequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
+        self.check_token_ids(params, stop_ids)
         try:
             check_request_sampling(self.base_plan.verify, params.temperature)
         except ValueError as e:
             raise RequestError(str(e)) from None
+
+    def check_token_ids(self, params: SamplingParams, stop_ids: Sequence[int]) -> None:
+        """RequestError "<field>: ..." for token ids the device arrays cannot hold: stop ids past
+        MAX_STOP_IDS, stop_token_ids / logit_bias ids outside the vocabulary."""
+        from jaxspec.engine.device_sampling import MAX_STOP_IDS
+
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"stop_token_ids: at most {MAX_STOP_IDS} stop token ids (the model's EOS included) "
+                               f"are supported, got {len(stop_ids)}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            out = [t for t in ids if t >= self.cfg.vocab_size]
+            if out:
+                raise RequestError(f"{name}: token id {out[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
     # Each call is split in two: the host inputs of a bucket (plain numpy, so a
     # multi-host leader can broadcast them) and running that bucket on them
@@ -466,6 +478,7 @@ class ModelRunner:
         q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
         table = np.zeros((b, self.max_pages), np.int32)
         slots = np.full((b,), self.num_slots, np.int32)
+        history, prompt_lens = np.zeros((b, self.max_context), np.int32), np.zeros((b,), np.int32)
         for i, chunk in enumerate(chunks):
             if chunk is None:
                 continue
@@ -474,8 +487,11 @@ class ModelRunner:
             tokens[i, :n] = row.tokens[start: start + n]
             q_start[i], lens[i], slots[i] = start, n, row.slot
             table[i, : len(row.page_row)] = row.page_row
+            history[i, : start + n] = row.tokens[: start + n]
+            prompt_lens[i] = row.prompt_len
         inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
-                      sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b))
+                      sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b), history=history,
+                      prompt_lens=prompt_lens)
         return ("prefill", b, c), inputs
 
     def run_prefill(self, key: tuple, inputs: dict) -> np.ndarray:
@@ -485,7 +501,7 @@ class ModelRunner:
             x = shd.shard_batch(inputs, self.mesh)
             self.store, self.cache, first = self._compiled[key](
                 self.params, self.draft_params, self.store, x["slots"], self.cache, x["tokens"], x["q_start"],
-                x["lens"], x["table"], x["sampling"])
+                x["lens"], x["table"], x["sampling"], x["history"], x["prompt_lens"])
             self.draft_cache = self.store[0]
             return np.asarray(shd.to_host(first))
         finally:

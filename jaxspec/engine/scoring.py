@@ -5,8 +5,9 @@ completion with `echo` and `logprobs`), and what `SamplingParams(prompt_logprobs
 forward over the prompt, outside the decode loop, so speculation has nothing to do with these
 numbers: the value at position i is log p(prompt[i] | prompt[:i]) under the RAW distribution
 (the log-softmax of the target's logits, before temperature, top-k or top-p), vLLM's default
-`logprobs_mode`. The last position's row is the distribution of the first generated token,
-whatever the sampler then drew from it.
+`logprobs_mode`. Under "processed" it is the distribution the sampler draws from there: the
+request's logit bias, min_tokens and penalties over the tokens before the position (those past
+`prompt_len` count as output), then temperature, top-k and top-p.
 
 The LM head runs over the positions in chunks, so a long prompt never holds [T, V] logits at once.
 """
@@ -23,6 +24,7 @@ from jaxspec.cache.paged import KVCache
 from jaxspec.models.layers import linear
 from jaxspec.models.llama import forward
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.speculative.penalties import penalize
 from jaxspec.speculative.sampling import target_probs_from_logits
 
 MAX_TOP = 20  # OpenAI's and vLLM's cap on top logprobs
@@ -34,14 +36,12 @@ FLOOR = -9999.0  # a token the processed distribution excludes (log 0), as OpenA
 class PromptScores:
     """token_logprobs [T]: log p(token i | tokens < i), NaN at position 0 (nothing predicts it);
     token_ranks [T]: its rank there (1 = likeliest); top_ids / top_logprobs [T, k]: the k likeliest
-    tokens after position i - 1 (row 0 unused); next_logprobs [V]: the distribution after the last
-    prompt token (the first generated one's)."""
+    tokens after position i - 1 (row 0 unused)."""
 
     token_logprobs: np.ndarray
     token_ranks: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
-    next_logprobs: np.ndarray
 
 
 def _length_bucket(n: int) -> int:
@@ -54,22 +54,29 @@ class PromptScorer:
     """Scores token sequences with a runner's weights (read only: the runner's caches are never touched, so
     a scoring call may run beside its decode calls)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, stop_ids=()):
         self.runner = runner
+        self.stop_ids = tuple(stop_ids)  # the model's EOS (min_tokens bans them, processed mode)
         self._fns: dict[tuple[int, bool], object] = {}  # (padded length, processed mode) -> jitted scorer
 
     def _fn(self, length: int, processed: bool):
         if (length, processed) not in self._fns:
             cfg = self.runner.cfg
 
-            def logprobs(logits, sampling):  # [C, V] -> [C, V] f32 in the configured mode
+            def logprobs(logits, first, tokens, sp, prompt_len):  # [C, V] (positions first..) -> [C, V] f32
                 if not processed:
                     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-                t, k, p = sampling
-                probs = target_probs_from_logits(logits[None], t[None], k[None], p[None])[0]
+                # Each position as a batch row of one (the processors' [B] parameters repeated):
+                # row c follows tokens[:first + c + 1].
+                c = logits.shape[0]
+                rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (c,) + x.shape[1:]), sp)
+                hist = first + jnp.arange(c, dtype=jnp.int32) + 1
+                z = penalize(logits[:, None], rows, jnp.broadcast_to(tokens, (c, length)), hist,
+                             jnp.minimum(jnp.full((c,), prompt_len), hist))
+                probs = target_probs_from_logits(z, rows.temperature, rows.top_k, rows.top_p)[:, 0]
                 return jnp.maximum(jnp.log(probs), FLOOR)
 
-            def fn(params, tokens, n, sampling):
+            def fn(params, tokens, n, sp, prompt_len):
                 # 1. Final-norm states of every position: one forward, no cache written.
                 cache = KVCache.zeros(cfg.num_layers, 1, 16, cfg.num_kv_heads, cfg.head_dim, params["embed"].dtype)
                 zero = jnp.zeros((1,), jnp.int32)
@@ -78,27 +85,31 @@ class PromptScorer:
                               kv_len=n[None], logits_index=zero[:, None], capture_final=True, write_cache=False)
                 h = out.features[0].reshape(length // CHUNK, CHUNK, -1)  # [chunks, C, H]
                 nxt = jnp.concatenate([tokens[0, 1:], tokens[0, :1]]).reshape(length // CHUNK, CHUNK)
+                starts = jnp.arange(length // CHUNK, dtype=jnp.int32) * CHUNK
 
-                # 2. Per chunk: log-softmax, the next token's entry, the top entries.
+                # 2. Per chunk: log-probabilities, the next token's entry, the top entries.
                 def chunk(args):
-                    hc, tc = args
-                    lp = logprobs(linear(hc, params["head"]), sampling)  # [C, V]
+                    hc, tc, first = args
+                    lp = logprobs(linear(hc, params["head"]), first, tokens[0], sp, prompt_len)  # [C, V]
                     chosen = jnp.take_along_axis(lp, tc[:, None], axis=1)[:, 0]
                     rank = jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32) + 1
                     top_lp, top_id = jax.lax.top_k(lp, MAX_TOP)
                     return chosen, rank, top_lp, top_id
 
-                chosen, rank, top_lp, top_id = jax.lax.map(chunk, (h, nxt))
+                chosen, rank, top_lp, top_id = jax.lax.map(chunk, (h, nxt, starts))
                 flat = lambda x: x.reshape((length,) + x.shape[2:])  # noqa: E731
-                last = logprobs(linear(out.features[0, n - 1][None], params["head"]), sampling)[0]
-                return flat(chosen), flat(rank), flat(top_lp), flat(top_id), last
+                return flat(chosen), flat(rank), flat(top_lp), flat(top_id)
 
             self._fns[(length, processed)] = jax.jit(fn)
         return self._fns[(length, processed)]
 
-    def score(self, prompt_ids, top: int = 0, sampling=None) -> PromptScores:
+    def score(self, prompt_ids, top: int = 0, sampling=None, prompt_len: int | None = None) -> PromptScores:
         """The scores of `prompt_ids` with the `top` (0..20) likeliest tokens at each position;
-        `sampling` (a SamplingParams) in the runner's "processed" logprobs mode, else raw."""
+        `sampling` (a SamplingParams) in the runner's "processed" logprobs mode, else raw, with
+        the tokens from `prompt_len` on (default: none) counted as output by the penalties."""
+        from jaxspec.engine.device_sampling import DeviceSampling
+        from jaxspec.engine.types import RowInput
+
         n = len(prompt_ids)
         if not 1 <= n <= self.runner.max_context:
             raise ValueError(f"a scored prompt needs 1 to {self.runner.max_context} tokens, got {n}")
@@ -107,13 +118,15 @@ class PromptScorer:
         tokens[0, :n] = prompt_ids
         processed = self.runner.ecfg.logprobs_mode == "processed"
         sp = sampling if sampling is not None else SamplingParams()
-        knobs = (jnp.float32(sp.temperature), jnp.int32(sp.top_k), jnp.float32(sp.top_p))
+        row = RowInput(tokens=(), prompt_len=0, page_row=np.zeros(1, np.int32), slot=0, params=sp,
+                       stop_ids=sp.stop_ids(self.stop_ids))
         with self.runner.mesh_context():
-            chosen, rank, top_lp, top_id, last = jax.device_get(
-                self._fn(length, processed)(self.runner.params, jnp.asarray(tokens), jnp.int32(n), knobs))
+            chosen, rank, top_lp, top_id = jax.device_get(self._fn(length, processed)(
+                self.runner.params, jnp.asarray(tokens), jnp.int32(n), DeviceSampling.pack([row], 1),
+                jnp.int32(n if prompt_len is None else prompt_len)))
         # chosen[i] scores token i + 1 from position i: shift so entry i belongs to token i.
         token_lp = np.concatenate([[np.nan], chosen[: n - 1]]).astype(np.float32)
         k = max(0, min(int(top), MAX_TOP))
         shift = lambda x: np.concatenate([np.zeros_like(x[:1]), x[: n - 1]])[:, :k]  # noqa: E731
         ranks = np.concatenate([[0], rank[: n - 1]]).astype(np.int32)
-        return PromptScores(token_lp, ranks, shift(top_id), shift(top_lp), np.asarray(last))
+        return PromptScores(token_lp, ranks, shift(top_id), shift(top_lp))

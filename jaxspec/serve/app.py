@@ -258,7 +258,7 @@ def _score_choices(server: Server, kind: str, prompts: list[list[int]], p, texts
             out_texts[c] = head + texts[c]
             if p.logprobs is None:
                 continue
-            scores = scorer.score(prompt + ids[c], p.logprobs, p)
+            scores = scorer.score(prompt + ids[c], p.logprobs, p, prompt_len=len(prompt))
             out_lps.append(protocol.chat_logprobs(tok, len(prompt), ids[c], scores) if kind == "chat" else
                            protocol.completion_logprobs(tok, prompt, ids[c], scores, p.echo))
     return out_texts, (out_lps or None)

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from jaxspec.prompts import PromptError, check_messages
-from jaxspec.sampling_params import SamplingError, SamplingParams, check_stop, check_value
+from jaxspec.sampling_params import (SamplingError, SamplingParams, check_logit_bias, check_stop, check_token_ids,
+                                     check_value)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -172,13 +173,21 @@ def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None 
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise bad("best_of", "is not supported by this server")
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v is not None and (not _is_num(v) or v != 0):
-            raise bad(key, "only 0 is supported by this server")
+    # Penalties, bias and vLLM's extensions (speculative/penalties.py).
+    penalties = dict(presence_penalty=_field(body, "presence_penalty", 0.0),
+                     frequency_penalty=_field(body, "frequency_penalty", 0.0),
+                     repetition_penalty=_field(body, "repetition_penalty", 1.0),
+                     min_tokens=_field(body, "min_tokens", 0))
+    try:
+        penalties["logit_bias"] = check_logit_bias(body.get("logit_bias"))
+        penalties["stop_token_ids"] = check_token_ids(body.get("stop_token_ids"))
+    except SamplingError as e:
+        raise APIError(400, str(e), e.field) from None
+    if penalties["min_tokens"] > max_tokens:
+        raise bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {penalties['min_tokens']}")
     return GenParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                      stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos, echo=echo,
-                     logprobs=logprobs)
+                     logprobs=logprobs, **penalties)
 
 
 def _token_list(v, vocab: int, param: str) -> list[int]:

@@ -15,6 +15,7 @@ from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import APIError, GenParams
 from jaxspec.engine.runner import ModelRunner
+from jaxspec.engine.types import RequestError
 from jaxspec.serve.scheduler import Scheduler, Seq
 from jaxspec.speculative.algorithm import check_request_sampling
 
@@ -66,13 +67,17 @@ class Server:
         if self._scorer is None:
             from jaxspec.engine.scoring import PromptScorer
 
-            self._scorer = PromptScorer(self.runner)
+            self._scorer = PromptScorer(self.runner, self.stop_ids)
         return self._scorer
 
     def submit(self, prompt_ids: list[int], params: GenParams, seed: int, on_event, param_name: str) -> Seq:
         if self.draining:
             raise APIError(503, "the server is shutting down", type_="server_error")
-        stop_ids = () if params.ignore_eos else self.stop_ids
+        stop_ids = params.stop_ids(self.stop_ids)
+        try:
+            self.runner.check_token_ids(params, stop_ids)
+        except RequestError as e:
+            raise APIError(400, str(e), str(e).split(":")[0]) from None
         if len(prompt_ids) >= self.max_context:
             raise APIError(400, f"{param_name}: the prompt has {len(prompt_ids)} tokens; the context is "
                                 f"{self.max_context}", param_name)

@@ -27,6 +27,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.pallas import use_kernel
 from jaxspec.speculative.commit import commit_accepted_kv
+from jaxspec.speculative.penalties import penalize_tree
 from jaxspec.speculative.sampling import argmax_last, coupled_predict, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
 from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest
@@ -236,6 +237,8 @@ def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens,
     seq_lens = s.hist_len - 1
     tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
     cache, logits, feats = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live, want)
+    # Penalties, bias, min_tokens: each node under its own prefix (speculative/penalties.py).
+    logits = penalize_tree(logits, s.sampling, s.history, s.hist_len, s.prompt_lens, tokens, tree)
     result = _verify(plan, tree, tokens, logits, draft_probs, s)
     if plan.simulate_accept_length:
         result = _simulate(plan, result, logits)

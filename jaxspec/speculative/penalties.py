@@ -95,6 +95,8 @@ def process(
 
 
 def _apply(logits, sp, history, hist_len, prompt_lens, path=None, depth=None):
+    """`process` of positions after history[:hist_len] (+ each one's draft path counts [B, N, V]
+    and length depth [B, N], when given)."""
     vocab = logits.shape[-1]
     out = token_counts(history, prompt_lens, hist_len, vocab)[:, None, :]
     prompt_seen = token_counts(history, jnp.zeros_like(prompt_lens), prompt_lens, vocab)[:, None, :] > 0
@@ -135,5 +137,37 @@ def penalize_tree(
     def run(x):
         path = path_counts(tokens, tree.mask, tree.depth, vocab)
         return _apply(x, sp, history, hist_len, prompt_lens, path, tree.depth).astype(x.dtype)
+
+    return jax.lax.cond(active(sp), run, lambda x: x, logits)
+
+
+def penalize_draft(
+    logits: Float[Array, "B Vd"],
+    s,
+    prev: list,
+    token_ids: Int[Array, "Vd"] | None = None,
+    vocab: int | None = None,
+) -> Float[Array, "B Vd"]:
+    """A chain drafter's logits for its next draft under the request's processors, so that its q
+    (and its greedy draft) follows the distribution the verify step checks against: the token
+    after loop state `s`'s history and the drafts `prev` ([B] each) before it. `token_ids` [Vd]:
+    a reduced draft vocabulary's target ids (`vocab` = V), lifted to the target's to be processed.
+    A q built otherwise would still be exact (rejection sampling takes any q it is told about),
+    only accepted less often."""
+    sp = s.sampling
+    b, vd = logits.shape
+
+    def run(x):
+        full = x[:, None] if token_ids is None else jnp.full((b, 1, vocab), -jnp.inf, jnp.float32).at[
+            :, 0, token_ids].set(x.astype(jnp.float32))
+        v = full.shape[-1]
+        path, depth = None, None
+        if prev:
+            ids = jnp.stack(prev, axis=1)  # [B, d]
+            path = jnp.zeros((b, 1, v + 1), jnp.int32).at[jnp.arange(b)[:, None], 0, jnp.clip(ids, 0, v)].add(
+                1, mode="drop")[..., :v]
+            depth = jnp.full((b, 1), len(prev), jnp.int32)
+        out = _apply(full, sp, s.history, s.hist_len, s.prompt_lens, path, depth)[:, 0]
+        return (out if token_ids is None else out[:, token_ids]).astype(x.dtype)
 
     return jax.lax.cond(active(sp), run, lambda x: x, logits)

@@ -197,8 +197,7 @@ class BlockDrafter(DrafterBase):
             base = logits[:, d - 1]
             if hc.markov_rank:
                 base = base + markov_bias(params["own"], prev)
-            tok, q = choose_draft(base, s.sampling, s.hist_len, d, None, hc.layer.vocab_size, self.sample_drafts,
-                                 self.coupled)
+            tok, q = choose_draft(base, s, drafts, None, hc.layer.vocab_size, self.sample_drafts, self.coupled)
             drafts.append(tok)
             qs.append(q)
             odds.append(draft_log_odds(base))

@@ -126,8 +126,8 @@ class EagleDrafter(DrafterBase):
         h = out.h
         logits = out.logits[:, -1]
         for depth in range(1, n):
-            tok, q = choose_draft(logits, s.sampling, s.hist_len, depth, d2t, self.head.layer.vocab_size,
-                                  self.sample_drafts, self.coupled)
+            tok, q = choose_draft(logits, s, drafts, d2t, self.head.layer.vocab_size, self.sample_drafts,
+                                  self.coupled)
             drafts.append(tok)
             qs.append(q)
             if depth < n - 1:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxspec.cache.paged import NULL_PAGE, KVCache, slot_to_page, write_layer_kv
+from jaxspec.speculative.penalties import penalize_draft
 from jaxspec.speculative.sampling import draft_noise, race_filtered, race_key, race_sample, target_probs_from_logits
 from jaxspec.speculative.types import Committed, Proposal
 
@@ -68,9 +69,8 @@ def write_pairs_kv(cache: KVCache, page_table, slots, valid, k, v) -> KVCache:
 
 def choose_draft(
     logits: Float[Array, "B Vd"],
-    sampling,
-    hist_len: Int[Array, "B"],
-    depth: int,
+    s,
+    prev: list,
     d2t: Int[Array, "Vd"] | None,
     vocab: int,
     sample: bool,
@@ -78,6 +78,9 @@ def choose_draft(
 ) -> tuple[Int[Array, "B"], Float[Array, "B V"] | None]:
     """One chain draft from draft logits: (target token id, q over the TARGET vocabulary | None).
 
+    `s` is the loop state and `prev` the drafts before this one ([B] each): the draft's depth
+    is len(prev) + 1, and the request's penalties / bias / min_tokens apply to its logits under
+    that prefix (`penalties.penalize_draft`), as the verify step applies them to the target's.
     Greedy: the argmax. Rejection verify (`sample`): a draw from the request's own
     temperature / top-k / top-p applied to the draft logits, keyed by the step's draft key,
     with q returned over the target vocabulary (zero outside a reduced draft vocabulary,
@@ -87,6 +90,9 @@ def choose_draft(
     (`sampling.race_filtered` with the key plain sampling uses there), so a q close to p
     lands on the token the target will race to; no q is built.
     """
+    sampling, hist_len, depth = s.sampling, s.hist_len, len(prev) + 1
+    logits = penalize_draft(logits, s, prev, d2t, vocab)
+
     def greedy():
         idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return idx if d2t is None else d2t[idx]

@@ -138,9 +138,13 @@ class MedusaDrafter(_PendingOnly):
         logits = medusa_logits(params["own"], self.head, params["target"], state.pending)  # [B, heads, V]
         n = self.num_draft_tokens
         if self.topk == 1:
-            draws = [choose_draft(logits[:, depth - 1], s.sampling, s.hist_len, depth, None, logits.shape[-1],
-                                  self.sample_drafts, self.coupled) for depth in range(1, n)]
-            return chain_proposal(root, [t for t, _ in draws], [q for _, q in draws], self.sample_drafts, state)
+            drafts, qs = [], []
+            for depth in range(1, n):  # Medusa's heads are independent; only the penalties read prev
+                tok, q = choose_draft(logits[:, depth - 1], s, drafts, None, logits.shape[-1], self.sample_drafts,
+                                      self.coupled)
+                drafts.append(tok)
+                qs.append(q)
+            return chain_proposal(root, drafts, qs, self.sample_drafts, state)
         parents, ranks, depths = (np.asarray(x, np.int32) for x in self.tree)
         _, top = jax.lax.top_k(logits, self.topk)  # [B, heads, K]
         nodes = top[:, np.maximum(depths[1:] - 1, 0), ranks[1:]].astype(jnp.int32)  # [B, N-1]
@@ -172,8 +176,7 @@ class MLPSpeculatorDrafter(_PendingOnly):
         drafts, qs, tok = [], [], root
         for i in range(self.num_draft_tokens - 1):
             st, logits = mlp_speculator_step(own, self.head, st, tok, i)
-            tok, q = choose_draft(logits, s.sampling, s.hist_len, i + 1, None, logits.shape[-1], self.sample_drafts,
-                                 self.coupled)
+            tok, q = choose_draft(logits, s, drafts, None, logits.shape[-1], self.sample_drafts, self.coupled)
             drafts.append(tok)
             qs.append(q)
         return chain_proposal(root, drafts, qs, self.sample_drafts, state)

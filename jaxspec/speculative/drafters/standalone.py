@@ -110,10 +110,10 @@ class StandaloneDrafter(DrafterBase):
         logits, state = self._catch_up(params, state, history, hist_len, page_table, ~s.done)
         root = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)[:, 0]
         if self.topk == 1:
-            return Proposal(*self._chain(params, state, logits, root, hist_len, page_table, s.sampling))
+            return Proposal(*self._chain(params, state, logits, root, hist_len, page_table, s))
         return Proposal(*self._tree(params, state, logits, root, hist_len, page_table))
 
-    def _chain(self, params, state, logits, root, hist_len, page_table, sampling):
+    def _chain(self, params, state, logits, root, hist_len, page_table, s):
         n = self.num_draft_tokens
         tokens, qs = [root], []
         cache = state.cache
@@ -121,8 +121,7 @@ class StandaloneDrafter(DrafterBase):
             if self.sample_drafts:
                 # The request's own temperature/top-k/top-p, so greedy requests draft greedily
                 # (q one-hot); the step's own key (first emitted index = hist_len) per depth.
-                tok, q = choose_draft(logits, sampling, hist_len, step + 1, None, logits.shape[-1], True,
-                                      self.coupled)
+                tok, q = choose_draft(logits, s, tokens[1:], None, logits.shape[-1], True, self.coupled)
                 if q is not None:
                     qs.append(q)
             else:
