@@ -160,13 +160,6 @@ def cache_sharding(mesh: Mesh, split_pages: bool = False) -> NamedSharding:
     return NamedSharding(mesh, P(None, "data" if split_pages else None, None, "model", None))
 
 
-def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
-    if mesh is None:
-        return cache
-    s = cache_sharding(mesh)
-    return KVCache(k=_put(cache.k, s), v=_put(cache.v, s))
-
-
 def zeros_cache(shape: tuple[int, ...], dtype, mesh: Mesh | None, split_pages: bool = False) -> KVCache:
     """A zero cache created already sharded: it need not fit on one device first."""
     device = None if mesh is None else cache_sharding(mesh, split_pages)

@@ -51,10 +51,6 @@ class KVCache:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-    @staticmethod
-    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype=jnp.float32) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-
 
 def slot_to_page(
     page_table: jax.Array,  # [B, max_pages] int32
@@ -118,9 +114,6 @@ class PageAllocator:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) <= self.num_free
 
     def owned(self, seq_id) -> list[int]:
         return list(self._owned.get(seq_id, ()))
