@@ -61,17 +61,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxspec.pallas.paged_attention import check_shapes
+from jaxspec.pallas.paged_attention import _MASK_VALUE, _round_up, check_shapes
 
-# Same value as the reference: finite, so fully masked key blocks never make NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LANES = 128
 # Sublane multiple for every blocked second-minor dim: 8 rows of f32, 16 of bf16.
 _SUBLANES = 16
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def default_pages_per_block(page_size: int) -> int:

@@ -49,13 +49,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas import target_platform
+from jaxspec.pallas.paged_attention import _next_pow2
 from jaxspec.pallas.types import VerifyResult, in_vocab
 
 DEFAULT_VOCAB_TILE = 2048
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _tile_size(vocab: int, vocab_tile: int) -> int:
