@@ -25,7 +25,8 @@ from transformers.models.qwen2 import modeling_qwen2 as mq
 
 from jaxspec.models.config import ConfigError, LoadError, ModelConfig
 from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, prepare_head_params, project_features
-from jaxspec.models.heads.config import detect_format, parse_head_config
+from jaxspec.models.heads.config import parse_head_config
+from jaxspec.models.heads.family import detect_format
 from jaxspec.models.heads.loading import is_mtp_target, load_draft_head, load_mtp_head
 from jaxspec.models.heads.medusa import medusa_logits, medusa_tree_from_choices
 from jaxspec.models.heads.mlp_speculator import mlp_speculator_init_state, mlp_speculator_step
@@ -554,7 +555,7 @@ def test_a_family_registered_from_outside_loads_and_exports_with_no_other_edit(t
     builders and the exporter find it through its kind."""
     from jaxspec.models.heads import family as F
     from jaxspec.models.heads.config import HeadConfig
-    from jaxspec.models.heads.init import head_config, init_head_params
+    from jaxspec.models.heads.family import head_config, init_head_params
     from jaxspec.train.export import export_head
 
     tcfg = target[2]

@@ -80,7 +80,7 @@ def test_greedy_matches_hf_six_prompts(smollm, smollm_hf, prompts, hf_refs):
     ids=["ngram-chain", "truncated-tree", "eagle3-chain", "eagle3-tree", "eagle-chain"],
 )
 def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec_kw):
-    from jaxspec.models.heads.init import head_config, init_head_params
+    from jaxspec.models.heads.family import head_config, init_head_params
 
     draft = None
     if spec_kw["algorithm"] == "standalone":

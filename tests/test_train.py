@@ -32,7 +32,7 @@ from jaxspec.config import ConfigValueError, EngineSection
 from jaxspec.engine import Engine, Request
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.heads.attn_head import attn_head_step, prepare_head_params, project_features
-from jaxspec.models.heads.init import head_config, init_head_params
+from jaxspec.models.heads.family import head_config, init_head_params
 from jaxspec.models.heads.loading import load_draft_head
 from jaxspec.models.heads.medusa import medusa_logits
 from jaxspec.models.llama import forward, prepare_params

@@ -19,7 +19,7 @@ import pytest
 
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.heads.block import block_logits
-from jaxspec.models.heads.init import init_head_params
+from jaxspec.models.heads.family import init_head_params
 from jaxspec.models.heads.loading import load_draft_head
 from jaxspec.speculative.drafters.block import BlockDrafter
 from jaxspec.speculative.types import Committed

@@ -27,7 +27,7 @@ from jaxspec.bench.common import chat_ids, median, print_table, timed
 
 
 def _head(model, kind: str, **kw):
-    from jaxspec.models.heads.init import head_config, init_head_params
+    from jaxspec.models.heads.family import head_config, init_head_params
 
     hcfg = head_config(kind, model.config, **kw)
     return init_head_params(hcfg), hcfg

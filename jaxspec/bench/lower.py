@@ -52,7 +52,7 @@ class Case:
     prefill: str | None  # entry name of its prefill (None: the same as another case's)
     decode: str
     draft_layers: int = 0  # standalone: the target's first N layers as the draft model
-    head: str | None = None  # a feature drafter: a fresh random head of this kind (`models.heads.init`)
+    head: str | None = None  # a feature drafter: a fresh random head of this kind (`models.heads.family.head_config`)
     head_kw: dict = dataclasses.field(default_factory=dict)
 
 
@@ -120,7 +120,7 @@ def fresh_head(model, kind: str, **kw):
     EAGLE-3 reads the states entering layers (2, L // 2, L - 3) by default, which a target of
     fewer than 4 layers (--model tiny) lacks: there it reads (0, L // 2, L). Its draft
     vocabulary is half the target's, so the d2t mapping is lowered too."""
-    from jaxspec.models.heads.init import head_config, init_head_params
+    from jaxspec.models.heads.family import head_config, init_head_params
 
     cfg = model.config
     L = cfg.num_layers

@@ -181,7 +181,7 @@ def block_ceiling(model, prompts, new: int, base: float, roofline: float) -> lis
 
     from jaxspec.config import SpecSection
     from jaxspec.speculative.drafters.load import load_draft
-    from jaxspec.models.heads.init import head_config, init_head_params
+    from jaxspec.models.heads.family import head_config, init_head_params
     from jaxspec.train.export import export_head
 
     L = model.config.num_layers

@@ -29,15 +29,11 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from jaxspec.models.heads.config import eagle3_layers
 from jaxspec.speculative.types import FeatureRequest
 from jaxspec.train.sharegpt import Conversation, DataError, sharegpt_conversations
 
 FORMAT_VERSION = 1
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default captured layers (state entering layer k), as the heads' config reads them."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 # --------------------------------------------------------------------------- #

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigValueError, _coerce
-from jaxspec.models.heads.family import family_of, trainable_kinds
-from jaxspec.models.heads.init import head_config, init_head_params
+from jaxspec.models.heads.family import family_of, head_config, init_head_params, trainable_kinds
 from jaxspec.train import checkpoint
 from jaxspec.train.losses import LossConfig, trainable
 from jaxspec.train.warm import load_init_head, warm_params

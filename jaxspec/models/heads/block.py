@@ -44,7 +44,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxspec.models.config import ConfigError, LoadError, ModelConfig
-from jaxspec.models.heads.config import HeadConfig, check_equal, feature_layers_from, runtime_matrix
+from jaxspec.models.heads.config import HeadConfig, check_equal, eagle3_layers, feature_layers_from, runtime_matrix
 from jaxspec.models.heads.family import HeadFamily, LAYER_TENSORS, archs, llama_fields, register_family, to_np
 from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
 
@@ -332,13 +332,12 @@ def fresh(kind: str, target: ModelConfig, *, num_layers: int = 1, block_size: in
           feature_layers=None, markov_rank: int = 0, **_) -> HeadConfig:
     """The HeadConfig a fresh DFLASH / DSPARK drafter for `target` parses to (target geometry, Qwen3 norms);
     block_size 0 = 16 (dflash) or 7 (dspark), mask_token_id -1 = `mask_token_for(target)`."""
-    L = target.num_layers
     # What `parse` reads back from the export: a Qwen3 layer stack, untied.
     layer = dataclasses.replace(target, model_type="qwen3", num_layers=num_layers, qk_norm=True, qkv_bias=False,
                                 tie_word_embeddings=False)
     return HeadConfig(kind=kind, layer=layer, target_hidden_size=target.hidden_size,
                       draft_vocab_size=target.vocab_size,
-                      feature_layers=tuple(feature_layers or (2, L // 2, L - 3)),
+                      feature_layers=tuple(feature_layers or eagle3_layers(target.num_layers)),
                       sliding_layers=(False,) * num_layers,
                       block_size=block_size or (16 if kind == "dflash" else 7),
                       mask_token_id=mask_token_id if mask_token_id >= 0 else mask_token_for(target),

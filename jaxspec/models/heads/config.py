@@ -37,7 +37,6 @@ class HeadConfig:
     medusa_version: str = "1"  # "2": no per-head LM head, the target's is reused
     # EAGLE-3 (vLLM's `norm_before_residual`): the residual is hidden_norm(h), not h.
     norm_before_residual: bool = False
-    mtp_layer: int = 0
     # mlp_speculator
     emb_dim: int = 0
     inner_dim: int = 0
@@ -87,6 +86,11 @@ def layer_config(cfg: dict, target: ModelConfig) -> ModelConfig:
     return dataclasses.replace(layer, num_layers=1, qkv_bias=bias, qk_norm=False)
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default captured layers (state entering layer k), as the heads' config reads them."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def check_equal(what: str, head: int, target: int) -> None:
     if head != target:
         raise ConfigError(f"draft head {what} {head} != target {what} {target}")
@@ -111,18 +115,11 @@ def feature_layers_from(ids, num_target_layers: int, convention: str,
     return tuple(i + 1 for i in ids) if convention == "output" else tuple(ids)
 
 
-def detect_format(config_json: dict[str, Any]) -> str:
-    """The head kind a config.json describes (each family's `detect`, in order)."""
-    from jaxspec.models.heads.family import detect_format as detect
-
-    return detect(config_json)
-
-
 def parse_head_config(
     config_json: dict[str, Any], target_cfg: ModelConfig, *, aux_layer_convention: str = "output"
 ) -> HeadConfig:
     """The HeadConfig of a head directory's config.json, parsed by the family of its kind."""
-    from jaxspec.models.heads.family import family_of
+    from jaxspec.models.heads.family import detect_format, family_of
 
     if aux_layer_convention not in CONVENTIONS:
         raise ConfigError(f"aux_layer_convention must be one of {CONVENTIONS}, got {aux_layer_convention!r}")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import ConfigError, LoadError
-from jaxspec.models.heads.config import HeadConfig, check_equal, feature_layers_from, layer_config
+from jaxspec.models.heads.config import HeadConfig, check_equal, eagle3_layers, feature_layers_from, layer_config
 from jaxspec.models.heads.family import HeadFamily, archs, layer_tensors, llama_fields, random_layer, register_family, to_np
 
 
@@ -37,7 +37,7 @@ def parse(kind: str, cfg: dict, t, convention: str) -> HeadConfig:
     ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
     L = t.num_layers
     feats = (feature_layers_from(ids, L, convention) if ids is not None
-             else feature_layers_from([2, L // 2, L - 3], L, "input"))
+             else feature_layers_from(eagle3_layers(L), L, "input"))
     if len(feats) != 3:
         raise ConfigError(f"EAGLE-3 captures 3 target layers, eagle_aux_hidden_state_layer_ids has {list(ids)}")
     dv = int(cfg.get("draft_vocab_size") or t.vocab_size)
@@ -82,10 +82,9 @@ def read(t, cfg: dict, hcfg: HeadConfig, target) -> tuple[HeadConfig, dict]:
 
 def fresh(kind: str, target, *, draft_vocab_size: int = 0, feature_layers=None, **_) -> HeadConfig:
     layer = dataclasses.replace(target, num_layers=1, qk_norm=False, qkv_bias=False)
-    L = target.num_layers
     return HeadConfig(kind=kind, layer=layer, target_hidden_size=target.hidden_size,
                       draft_vocab_size=min(draft_vocab_size or target.vocab_size, target.vocab_size),
-                      feature_layers=tuple(feature_layers or (2, L // 2, L - 3)), own_head=True)
+                      feature_layers=tuple(feature_layers or eagle3_layers(target.num_layers)), own_head=True)
 
 
 def init(hcfg: HeadConfig, seed: int, token_ids=None) -> dict:

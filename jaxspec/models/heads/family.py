@@ -25,7 +25,11 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jaxspec.models.config import ConfigError
 
 # HF-layout key -> tensor name inside a decoder layer; the input norm is named per family.
 LAYER_TENSORS = {
@@ -105,8 +109,6 @@ def family_of(kind: str) -> HeadFamily:
 
 def detect_format(config_json: dict[str, Any]) -> str:
     """The head kind a config.json describes; ConfigError naming the fields seen otherwise."""
-    from jaxspec.models.config import ConfigError
-
     for f in families():
         kind = f.detect(config_json)
         if kind is not None:
@@ -116,6 +118,33 @@ def detect_format(config_json: dict[str, Any]) -> str:
         f"unknown draft-head format: config.json has {seen} and none of draft_vocab_size, "
         f"eagle_config, medusa_num_heads, n_predict/emb_dim (mlp_speculator), num_nextn_predict_layers"
     )
+
+
+# ---- fresh heads -----------------------------------------------------------------------------------
+# Where no trained head exists yet: the speed benchmarks (a head's cost does not depend on its weights)
+# and the start of drafter training. Each family writes its own (`fresh`, `init` in its module); scales
+# keep activations O(1) so timings see realistic numerics (no denormals, no NaN).
+
+
+def head_config(kind: str, target, **opts):
+    """The HeadConfig of a fresh `kind` head shaped for `target` (what a published checkpoint of that
+    kind would parse to). `opts` are the family's own (draft_vocab_size, feature_layers for EAGLE-3;
+    num_heads for Medusa and the MLP speculator; num_layers, block_size, mask_token_id, markov_rank for
+    the block drafters); others are ignored."""
+    family = family_of(kind)
+    if family.fresh is None:
+        raise ValueError(f"no fresh head of kind {kind!r}")
+    return family.fresh(kind, target, **opts)
+
+
+def init_head_params(hcfg, seed: int = 0, *, token_ids=None, dtype=jnp.float32) -> dict:
+    """Random params (HF layout, as `load_draft_head` returns them). `token_ids`: the
+    target ids of an EAGLE-3 draft vocabulary, ascending (default: the first ones)."""
+    family = family_of(hcfg.kind)
+    if family.init is None:
+        raise ValueError(f"no fresh head of kind {hcfg.kind!r}")
+    p = family.init(hcfg, seed, token_ids)
+    return jax.tree.map(lambda x: jnp.asarray(x) if np.asarray(x).dtype.kind in "ib" else jnp.asarray(x, dtype), p)
 
 
 def archs(config_json: dict) -> str:

@@ -189,8 +189,7 @@ def load_mtp_head(target_dir, target_cfg: ModelConfig, *, layer: int = 0, dtype=
         raise LoadError(f"{target_dir} has no MTP layers: neither model.layers.{target_cfg.num_layers}.eh_proj "
                         "(DeepSeek) nor model.mtp_layers.N.* (MiMo) tensors")
     c = dataclasses.replace(target_cfg, num_layers=1)
-    hcfg = HeadConfig(kind=kind, layer=c, target_hidden_size=c.hidden_size, draft_vocab_size=c.vocab_size,
-                      mtp_layer=layer)
+    hcfg = HeadConfig(kind=kind, layer=c, target_hidden_size=c.hidden_size, draft_vocab_size=c.vocab_size)
     t = _Tensors(files, target_dir, dtype)
     h = c.hidden_size
     if kind == "mtp_deepseek":
