@@ -96,3 +96,10 @@ def hf_first_two_marginals(model, prompt_ids: list[int]):
         return z / z.sum(-1, keepdims=True)
 
     return lambda t: (softmax(first, t), softmax(first, t) @ softmax(second, t))
+
+
+def greedy_rows(b: int):
+    """The DeviceSampling of b greedy rows with no processors: the `sampling` of a hand-built loop state."""
+    from jaxspec.engine.device_sampling import DeviceSampling
+
+    return DeviceSampling.pack([None] * b, b)

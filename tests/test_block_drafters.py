@@ -35,7 +35,7 @@ from jaxspec.speculative.drafters.load import load_draft
 from jaxspec.speculative.loop import SpecPlan
 from jaxspec.speculative.types import Committed
 from tests.heads_fixtures import write_block_head
-from tests.reference import compile_events
+from tests.reference import compile_events, greedy_rows
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_propose_drafts_the_reference_chain(world, alg):
     state, table = _drive(drafter, params, feats, tokens, 5, [3, 3], 4)
     s = SimpleNamespace(history=jnp.zeros((1, 64), jnp.int32).at[0, :len(tokens)].set(jnp.asarray(tokens)),
                         hist_len=jnp.array([len(tokens)]), page_table=table, done=jnp.array([False]),
-                        sampling=None, corpus=None)
+                        sampling=greedy_rows(1), prompt_lens=jnp.array([5]), corpus=None)
     prop = drafter.propose(params, state, s)
     ref = torch_block_logits(Path(world.heads[alg]), world.hf, tokens, len(tokens) - 1, drafter.width)
     off = output_offset(hcfg)
@@ -267,7 +267,8 @@ def test_planner_cuts_rows(world):
         b = 3
         s = SimpleNamespace(history=jnp.zeros((b, 64), jnp.int32).at[:, :len(tokens)].set(jnp.asarray(tokens)),
                             hist_len=jnp.full((b,), len(tokens)), page_table=jnp.repeat(page_table, b, 0),
-                            done=jnp.array([False, False, True]), sampling=None, corpus=None)
+                            done=jnp.array([False, False, True]), sampling=greedy_rows(b),
+                            prompt_lens=jnp.full((b,), 5), corpus=None)
         prop = drafter.propose(params, state, s)
         kept[name] = np.asarray((prop.tokens >= 0).sum(1) - 1)
     assert kept["flat"].tolist()[:2] == [6, 6]

@@ -38,7 +38,7 @@ from jaxspec.speculative.types import Committed
 from tests.heads_fixtures import (
     add_mtp_layers, write_eagle3_head, write_eagle_head, write_medusa_head, write_mlp_speculator,
 )
-from tests.reference import compile_events
+from tests.reference import compile_events, greedy_rows
 from tests.test_heads import causal_attend
 
 
@@ -130,7 +130,7 @@ def _drive(drafter, params, feats, tokens, prompt_len, chunks, page_size):
     assert a == len(tokens) - 1
     s = SimpleNamespace(history=jnp.zeros((1, 64), jnp.int32).at[0, :len(tokens)].set(x[0]),
                         hist_len=jnp.array([len(tokens)]), page_table=table, done=jnp.array([False]),
-                        sampling=None, corpus=None)
+                        sampling=greedy_rows(1), prompt_lens=jnp.array([prompt_len]), corpus=None)
     return drafter.propose(params, state, s)
 
 

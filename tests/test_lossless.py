@@ -26,7 +26,7 @@ from jaxspec.models.loading import load_model
 from jaxspec.speculative import algorithm as A
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.sampling import make_verify_noise, race_sample, sample_token
-from tests.reference import hf_greedy
+from tests.reference import greedy_rows, hf_greedy
 
 ECFG = EngineSection(max_batch_size=8, max_context=128, length_buckets=(16, 32, 64, 128), page_size=4)
 
@@ -277,7 +277,7 @@ def scratch_writes_past(model, declared: int) -> int:
     cache = type(c)(k=jnp.zeros(shape, c.k.dtype), v=jnp.zeros(shape, c.k.dtype))
     history = jnp.zeros((1, 64), jnp.int32).at[0, :hist].set(jnp.arange(5, 5 + hist))
     s = SimpleNamespace(history=history, hist_len=jnp.array([hist]), page_table=table, done=jnp.array([False]),
-                        sampling=None)
+                        sampling=greedy_rows(1), prompt_lens=jnp.array([1]))
     out = engine.drafter.propose(engine.runner.draft_params, DraftState(cache=cache, draft_len=jnp.array([hist - 1])), s)
     written = np.abs(np.asarray(out.state.cache.k[:, trap0:])).sum(axis=(0, 3, 4)) > 0  # [trap pages, ps]
     slots = np.nonzero(written.reshape(-1))[0]

@@ -315,3 +315,27 @@ def test_processed_logprobs_include_the_penalties(tiny_dirs):
     for j, t in enumerate(gen):
         p = _filtered(np_process(logits[len(ids) + j - 1], ids, gen[:j], sp, llm.eos_token_ids), sp.temperature, 1.0)
         assert abs(out.logprobs[j][t].logprob - np.log(p[t])) < 3e-4, (j, out.logprobs[j][t], np.log(p[t]))
+
+
+def test_server_applies_the_penalties(served, chat_model_dir):
+    """Through the server with the `openai` client (speculation on, as served): a completion with every
+    processor, streamed and not, equals the numpy greedy loop over HF logits; the fields are vLLM's /
+    OpenAI's names, logit_bias keyed by strings as JSON has it."""
+    import transformers as tf
+
+    from tests.serve_util import client
+
+    server, url = served
+    hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    ids = [504, 2821, 314, 504, 2821, 314, 504, 2821]
+    sp = SamplingParams(max_tokens=10, presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.3,
+                        logit_bias={314: 5.0, 2821: -3.0}, min_tokens=4, stop_token_ids=[11])
+    want = hf_greedy_processed(hf, ids, sp, sp.stop_ids(server.stop_ids), sp.max_tokens)
+    assert want != hf_greedy_processed(hf, ids, SamplingParams(max_tokens=10), (), 10)  # the fields matter here
+    body = dict(model=server.model_name, prompt=ids, max_tokens=10, temperature=0, seed=1,
+                presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"314": 5.0, "2821": -3.0},
+                extra_body=dict(repetition_penalty=1.3, min_tokens=4, stop_token_ids=[11]))
+    c = client(url)
+    text = c.completions.create(**body).choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True) if ch.choices)
+    assert text == streamed == server.tokenizer.decode(want), (text, streamed, want)

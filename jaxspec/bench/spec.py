@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,56 @@ def run_batched(engine, prompts, max_new: int, batch: int, reps: int = 1) -> lis
             t = engine.last_timing
             rates.append(t["new_tokens"] / t["decode_s"])
     return rates
+
+
+class Processed:
+    """An engine whose every request also carries the SamplingParams `fields` (the penalties'
+    twin of a method: same engine, same compiled programs, side by side)."""
+
+    def __init__(self, engine, **fields):
+        self.engine, self.fields = engine, fields
+
+    def generate(self, reqs):
+        return self.engine.generate([dataclasses.replace(r, params=r.params.replace(**self.fields)) for r in reqs])
+
+    @property
+    def last_timing(self):
+        return self.engine.last_timing
+
+
+# --penalties: a no-op-sized penalty (every processor runs, the argmax moves only on exact ties, so
+# the tokens and tau match the method's: the pure cost), and a real one (the text and tau change).
+PENALTY_TWINS = {"+ penalties (cost only)": dict(frequency_penalty=1e-6),
+                 "+ penalties (rep 1.1, presence 0.3)": dict(repetition_penalty=1.1, presence_penalty=0.3)}
+
+
+def penalty_cost(vocab: int, sizes=((1, 4), (8, 4)), ctx: int = 1024, reps: int = 30) -> list[list]:
+    """[B, N, ms without, ms with] of the verify step's processors alone (`penalize_tree` over [B, N, V]
+    logits after a `ctx`-token history): their cost, free of the end-to-end runs' noise."""
+    from jaxspec.engine.device_sampling import DeviceSampling
+    from jaxspec.engine.types import RowInput
+    from jaxspec.sampling_params import SamplingParams
+    from jaxspec.speculative.penalties import penalize_tree
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for b, n in sizes:
+        hist = jnp.asarray(rng.integers(0, vocab, (b, ctx)), jnp.int32)
+        tok = jnp.asarray(rng.integers(0, vocab, (b, n)), jnp.int32)
+        tree = SimpleNamespace(mask=jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
+                               depth=jnp.broadcast_to(jnp.arange(n), (b, n)))
+        logits = jnp.asarray(rng.normal(size=(b, n, vocab)), jnp.float32)
+        fn = jax.jit(lambda x, sp: penalize_tree(x, sp, hist, jnp.full((b,), ctx // 2), jnp.full((b,), ctx // 4),
+                                                 tok, tree))  # noqa: B023
+        ms = []
+        for fields in ({}, PENALTY_TWINS["+ penalties (cost only)"]):
+            row = RowInput(tokens=[0], prompt_len=1, page_row=np.zeros(1, np.int32), slot=0,
+                           params=SamplingParams(**fields), stop_ids=(0,))
+            sp = DeviceSampling.pack([row] * b, b)
+            fn(logits, sp).block_until_ready()  # compile
+            ms.append(1e3 * median(timed(lambda: fn(logits, sp).block_until_ready(), reps)))  # noqa: B023
+        rows.append([b, n, *ms])
+    return rows
 
 
 def acceptance_by_position(lens: list[int], k: int) -> list[float]:
@@ -243,6 +294,8 @@ def main(argv=None) -> int:
                    "contains one (plain always runs)")
     p.add_argument("--batch", type=int, default=8, help="also time plain and the shipped heads at this batch "
                    "size on MT-Bench (0: skip)")
+    p.add_argument("--penalties", action="store_true", help="time every method also with penalties on (twins "
+                   "sharing its engine: a cost-only penalty and a real one, issue 26)")
     args = p.parse_args(argv)
 
     from jaxspec.bench.decode import param_bytes
@@ -274,6 +327,9 @@ def main(argv=None) -> int:
         draft = truncate_layers(model.params, model.config, args.draft_layers)
         methods = {k: (kw, draft if d == "truncated" else d) for k, (kw, d) in methods.items()}
     engines = {name: engine_for(model, kw, d) for name, (kw, d) in methods.items()}
+    if args.penalties:
+        engines.update({f"{name} {twin}": Processed(eng, **fields) for name, eng in list(engines.items())
+                        for twin, fields in PENALTY_TWINS.items()})
     hf = None
     if not args.no_hf:
         import torch
@@ -333,6 +389,10 @@ def main(argv=None) -> int:
               "whole batches, median")
         print_table(["method", "tok/s", "vs jaxspec plain"], [[k, median(v), median(v) / base]
                                                               for k, v in batched.items()])
+
+    if args.penalties:
+        print("\nthe verify step's processors alone (penalize_tree, 1,024-token history, median ms):")
+        print_table(["B", "N", "ms, no row asks", "ms, every row penalized"], penalty_cost(model.config.vocab_size))
 
     if heads and "MT-Bench" in sets:
         prompt = sets["MT-Bench"][0]

@@ -64,10 +64,6 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _get(body: dict, key: str, default, check, what: str):
     v = body.get(key)
     if v is None:

@@ -45,13 +45,6 @@ class FeatureRequest(NamedTuple):
         return hidden_size * (len(self.layers) + int(self.final_norm))
 
 
-class TargetOut(NamedTuple):
-    """What a target forward hands the drafter: logits and the requested features."""
-
-    logits: Float[Array, "B T V"]
-    features: Float[Array, "B T F"] | None  # per FeatureRequest; None when none requested
-
-
 class Committed(NamedTuple):
     """What one verify step committed, as a drafter's `observe` (draft-extend) reads it.
 
