@@ -329,11 +329,12 @@ def test_server_applies_the_penalties(served, chat_model_dir):
     hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
     ids = [504, 2821, 314, 504, 2821, 314, 504, 2821]
     sp = SamplingParams(max_tokens=10, presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.3,
-                        logit_bias={314: 5.0, 2821: -3.0}, min_tokens=4, stop_token_ids=[11])
+                        logit_bias={314: 8.0, 2821: -3.0}, min_tokens=4, stop_token_ids=[11])
     want = hf_greedy_processed(hf, ids, sp, sp.stop_ids(server.stop_ids), sp.max_tokens)
-    assert want != hf_greedy_processed(hf, ids, SamplingParams(max_tokens=10), (), 10)  # the fields matter here
+    # The fields matter here: the bias makes 314 the first token, and the penalties take it away after.
+    assert want[0] == 314 and 314 not in want[1:3], want
     body = dict(model=server.model_name, prompt=ids, max_tokens=10, temperature=0, seed=1,
-                presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"314": 5.0, "2821": -3.0},
+                presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"314": 8.0, "2821": -3.0},
                 extra_body=dict(repetition_penalty=1.3, min_tokens=4, stop_token_ids=[11]))
     c = client(url)
     text = c.completions.create(**body).choices[0].text
