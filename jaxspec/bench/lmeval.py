@@ -16,7 +16,6 @@ Needs the `eval` extra: pip install -e '.[eval]' (lm_eval[api]==0.4.13).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -73,52 +72,15 @@ def hf_dir(model: str) -> Path:
     return cached_gguf_dir(path, progress=False) if path.suffix.lower() == ".gguf" else path
 
 
-@contextlib.contextmanager
 def server(args):
-    """`python -m jaxspec.serve` on loopback, as `bench serve`'s serve_mode starts it; SIGINT stops it."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import tempfile
-
-    import httpx
-
+    """`python -m jaxspec.serve` on loopback, as `bench serve` starts it; adaptive off: the policy may
+    measure plain decoding faster and stop drafting."""
+    from jaxspec.bench.serve import launched
     from jaxspec.serve.launch import SERVE_DEFAULTS
 
-    port = args.port
-    if not port:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    # serve.adaptive off: the adaptive policy may measure plain decoding faster and stop drafting.
     overrides = {**SERVE_DEFAULTS, "spec.algorithm": args.spec, "serve.adaptive": False,
                  "engine.max_batch_size": 1, "engine.max_context": args.max_context}
-    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", args.model, "--port", str(port)]
-    for key, value in overrides.items():
-        cmd += ["--set", f"{key}={value}"]
-    log = tempfile.NamedTemporaryFile("w+", prefix="jaxspec-serve-lmeval-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; log: {log.name}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        print(f"server ready in {time.perf_counter() - t0:.0f}s, spec.algorithm={args.spec} (log: {log.name})",
-              flush=True)
-        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    return launched(args.model, overrides, f"lmeval-{args.spec}", port=args.port)
 
 
 def evaluate(lm, task: str, task_manager, limit) -> tuple[dict, float]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 
@@ -68,10 +69,18 @@ def load_prompts(name: str, n: int) -> list[str]:
     return [e.get("prompt") or e["messages"][-1]["content"] for e in read_jsonl(name)][:n]
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+                      extra: dict | None = None) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
+    if extra is not None:  # not streamed (log-probabilities come with the finished request): TTFT = the request
+        body = {**{k: v for k, v in body.items() if not k.startswith("stream")}, **extra}
+        resp = await client.post(url + "/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]!r}")
+        end, tokens = time.perf_counter(), resp.json()["usage"]["completion_tokens"]
+        return {"ttft": end - t0, "tpot": (end - t0) / max(tokens, 1), "tokens": tokens, "end": end}
     first = last = None
     tokens = 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -92,14 +101,14 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                    temperature: float) -> dict:
+                    temperature: float, extra: dict | None = None) -> dict:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         async def bounded(p):
             async with sem:
-                return await one_request(client, url, model, p, max_tokens, temperature)
+                return await one_request(client, url, model, p, max_tokens, temperature, extra)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
@@ -124,22 +133,31 @@ def accept_stats(url: str) -> tuple[float, float]:
     return total, count
 
 
+# --logprobs: the same requests without streaming, without and with chat log-probabilities, taking turns.
+LOGPROB_VARIANTS = {"no stream": {"logprobs": False}, "+ logprobs": {"logprobs": True, "top_logprobs": 1}}
+
+
 def bench_url(url: str, model: str, prompts: list[str], levels: list[int], args) -> list[dict]:
     rows = []
+    variants = LOGPROB_VARIANTS if getattr(args, "logprobs", False) else {"": None}
     for c in levels:
         n = max(args.requests_per_level, c)
-        s0, c0 = accept_stats(url)
-        stats = asyncio.run(run_level(url, model, [prompts[i % len(prompts)] for i in range(n)], c,
-                                      args.max_tokens, args.temperature))
-        s1, c1 = accept_stats(url)
-        stats.update(concurrency=c, tau=(s1 - s0) / (c1 - c0) if c1 > c0 else 1.0)
-        rows.append(stats)
+        for label, extra in variants.items():
+            s0, c0 = accept_stats(url)
+            stats = asyncio.run(run_level(url, model, [prompts[i % len(prompts)] for i in range(n)], c,
+                                          args.max_tokens, args.temperature, extra))
+            s1, c1 = accept_stats(url)
+            stats.update(concurrency=c, variant=label, tau=(s1 - s0) / (c1 - c0) if c1 > c0 else 1.0)
+            rows.append(stats)
     return rows
 
 
-def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[list[dict], dict]:
-    """Start `python -m jaxspec.serve` for one mode, load it, stop it. A process per mode keeps
-    the modes apart (and one process holding every mode's executables runs out of mappings)."""
+@contextlib.contextmanager
+def launched(model: str, overrides: dict, label: str, config: str | None = None, port: int | None = None):
+    """`python -m jaxspec.serve --model model` in its own process on loopback (a free port unless
+    given) with `--set` overrides, once /health answers: yields (url, served model name); SIGINT
+    stops it on exit. A process per server keeps runs apart (one process holding every mode's
+    executables runs out of mappings)."""
     import os
     import signal
     import socket
@@ -149,42 +167,29 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
 
     import httpx
 
-    from jaxspec.serve.launch import SERVE_DEFAULTS
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels), "engine.max_context": args.max_context,
-                 **MODES[mode]}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = value
-    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", args.model, "--port", str(port)]
-    if args.config:
-        cmd += ["--config", args.config]
+    if not port:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--port", str(port)]
+    if config:
+        cmd += ["--config", config]
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"jaxspec-serve-{mode}-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"jaxspec-serve-{label}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"[{mode}] server exited with {proc.returncode}; log: {log.name}")
-            try:
+                raise RuntimeError(f"[{label}] server exited with {proc.returncode}; log: {log.name}")
+            with contextlib.suppress(httpx.TransportError):
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
-            except httpx.TransportError:
-                pass
             time.sleep(1)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        print(f"[{mode}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
-        # One short request primes the HTTP path; not measured.
-        asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
-        rows = bench_url(url, model, prompts, levels, args)
-        adaptive = adaptive_choice(url)
-        return rows, {"model": model, "adaptive": adaptive}
+        print(f"[{label}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
+        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -192,6 +197,22 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[list[dict], dict]:
+    """Start the server for one mode, load it, stop it."""
+    from jaxspec.serve.launch import SERVE_DEFAULTS
+
+    overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels), "engine.max_context": args.max_context,
+                 **MODES[mode]}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = value
+    with launched(args.model, overrides, mode, args.config) as (url, model):
+        # One short request primes the HTTP path; not measured.
+        asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
+        rows = bench_url(url, model, prompts, levels, args)
+        return rows, {"model": model, "adaptive": adaptive_choice(url)}
 
 
 def adaptive_choice(url: str) -> dict[tuple[int, int], int]:
@@ -240,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--modes", default="off,on,adaptive")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the Hugging Face batch-1 peer (0 = skip)")
+    p.add_argument("--logprobs", action="store_true", help="time each level unstreamed without and with chat "
+                   "logprobs (top_logprobs 1), side by side (issue 26)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = load_prompts(args.prompts, args.num_prompts)
@@ -249,8 +272,9 @@ def main(argv=None) -> int:
 
         model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
         rows = bench_url(args.url, model, prompts, levels, args)
-        print_table(["concurrency", "tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "tau"],
-                    [[r["concurrency"], r["tok_s"], r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"],
+        print_table(["concurrency", "variant", "tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
+                     "tau"],
+                    [[r["concurrency"], r["variant"], r["tok_s"], r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"],
                       1e3 * r["tpot_p99"], r["tau"]] for r in rows])
         return 0
 
@@ -259,14 +283,18 @@ def main(argv=None) -> int:
         results[mode], info = serve_mode(mode, args, prompts, levels)
         print(f"[{mode}] done; draft length per (batch, context) bucket: {info['adaptive'] or 'n/a'}", flush=True)
     hf_tps, roofline = hf_and_roofline(args, prompts) if args.hf_prompts else (float("nan"), float("nan"))
-    base = {r["concurrency"]: r["tok_s"] for r in results.get("off", [])}
+    base = {(r["concurrency"], r["variant"]): r["tok_s"] for r in results.get("off", [])}
     rows = []
-    for c_i, c in enumerate(levels):
+    for c in levels:
         for mode, rs in results.items():
-            r = rs[c_i]
-            rows.append([c, mode, r["tok_s"], r["tok_s"] / base.get(c, float("nan")),
-                         r["tok_s"] / hf_tps if c == 1 else float("nan"), r["tok_s"] / roofline,
-                         r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"], 1e3 * r["tpot_p99"], r["tau"]])
+            for r in (r for r in rs if r["concurrency"] == c):
+                own = {x["variant"]: x["tok_s"] for x in rs if x["concurrency"] == c}
+                label = f"{mode} {r['variant']}".strip()
+                if r["variant"] == "+ logprobs":
+                    label += f" ({r['tok_s'] / own['no stream']:.3f}x without)"
+                rows.append([c, label, r["tok_s"], r["tok_s"] / base.get((c, r["variant"]), float("nan")),
+                             r["tok_s"] / hf_tps if c == 1 else float("nan"), r["tok_s"] / roofline,
+                             r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"], 1e3 * r["tpot_p99"], r["tau"]])
     print(f"\njaxspec serve benchmark: {info.get('model')}, float32, prompts={args.prompts}, "
           f"{args.max_tokens} tokens per request (EOS ignored), temperature {args.temperature}; "
           f"HF generate batch 1 = {hf_tps:.1f} tok/s, batch-1 roofline = {roofline:.1f} tok/s")
