@@ -197,15 +197,16 @@ def sample_seeds(sp: SamplingParams) -> list[int]:
     return [(base + j) % 2**32 for j in range(sp.n)]
 
 
-def cut_at_stop(tokenizer, prompt_ids: Sequence[int], ids: list[int], stops: Sequence[str]):
+def cut_at_stop(tokenizer, prompt_ids: Sequence[int], ids: list[int], stops: Sequence[str], min_tokens: int = 0):
     """(text before the first stop string, the ids through the token completing it), or None without a hit.
 
-    Token by token, with the server's detokenizer and matcher, so the API cuts where a stream would."""
+    Token by token, with the server's detokenizer and matcher, so the API cuts where a stream would;
+    a stop string is looked for from the min_tokens-th token on."""
     from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 
     detok, matcher, text = IncrementalDetokenizer(tokenizer, prompt_ids), StopStringMatcher(stops), ""
     for k, t in enumerate(ids):
-        out, stopped = matcher.feed(detok.add([t], final=k == len(ids) - 1))
+        out, stopped = matcher.feed(detok.add([t], final=k == len(ids) - 1), armed=k + 1 >= min_tokens)
         text += out
         if stopped:
             return text, ids[: k + 1]
@@ -419,7 +420,7 @@ class LLM:
                 self._add_split(self.engine.profile_phases(requests[start: start + step]))
         samples: list[list[CompletionOutput]] = [[] for _ in items]
         for (i, group), res in zip(owners, results):
-            out = self._completion(res, params[i].stop)
+            out = self._completion(res, params[i].stop, params[i].min_tokens)
             samples[i] += [dataclasses.replace(out, index=j, seed=seed) for j, seed in group]
         for i, sp in enumerate(params):
             if sp.logprobs is not None:
@@ -451,11 +452,11 @@ class LLM:
             out.append(entry)
         return out
 
-    def _completion(self, res, stops: tuple[str, ...]) -> CompletionOutput:
+    def _completion(self, res, stops: tuple[str, ...], min_tokens: int = 0) -> CompletionOutput:
         """The output of one engine Result (index and seed filled in by the caller)."""
         ids, reason = res.output_ids, res.finish_reason
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        hit = cut_at_stop(self.tokenizer, res.prompt_ids, ids, stops) if stops and self.tokenizer else None
+        hit = cut_at_stop(self.tokenizer, res.prompt_ids, ids, stops, min_tokens) if stops and self.tokenizer else None
         if hit is not None:
             (text, ids), reason = hit, "stop"
         record = {}

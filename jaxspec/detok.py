@@ -53,9 +53,11 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self.pending = ""
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        if not self.stops:
-            return delta, False
+    def feed(self, delta: str, armed: bool = True) -> tuple[str, bool]:
+        """`armed` False: text of tokens before min_tokens, passed through unmatched (vLLM checks no
+        stop string there either)."""
+        if not self.stops or not armed:
+            return self.flush() + delta, False
         text = self.pending + delta
         hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops) if i >= 0]
         if hits:  # the stop string completed first wins, as it would token by token

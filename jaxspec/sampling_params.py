@@ -184,7 +184,8 @@ class SamplingParams:
     repetition_penalty: vLLM's (and HF's) multiplicative one over prompt + output: a seen
         token's logit is divided by it when positive, multiplied by it when not. 1 = off.
     logit_bias: {token id: bias in [-100, 100]} added to the logits (before the penalties).
-    min_tokens: no stop token (EOS, stop_token_ids) may end the output before this many tokens.
+    min_tokens: no stop token (EOS, stop_token_ids) may end the output before this many tokens,
+        and no stop string is looked for before the min_tokens-th token (vLLM's rule).
     stop_token_ids: token ids that end the output besides the model's EOS (kept in the output).
     All of them apply at every position, drafts included: `jaxspec/speculative/penalties.py`.
 

@@ -340,3 +340,33 @@ def test_server_applies_the_penalties(served, chat_model_dir):
     text = c.completions.create(**body).choices[0].text
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True) if ch.choices)
     assert text == streamed == server.tokenizer.decode(want), (text, streamed, want)
+
+
+def test_min_tokens_defers_stop_strings(served, chat_model_dir):
+    """vLLM's rule: no stop string is looked for before the min_tokens-th token. The API and the server
+    (streamed and not) cut at the first occurrence starting at or after that token's text; positive
+    control: without min_tokens the same stop string cuts earlier."""
+    from tests.serve_util import client
+
+    server, url = served
+    llm = LLM(str(chat_model_dir), progress=False, **ENGINE)
+    ids = [504, 2821, 314, 504, 2821, 314]
+    free = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0]
+    tok = llm.tokenizer
+    pieces = [tok.decode(free.token_ids[:k]) for k in range(len(free.token_ids) + 1)]
+    stop = pieces[2][len(pieces[1]):].strip() or pieces[2]  # the second token's text
+    assert stop and stop in free.text
+    for min_tokens in (0, 6):
+        start = len(pieces[max(min_tokens - 1, 0)])  # where the armed text begins
+        hit = free.text.find(stop, start)
+        want = free.text[:hit] if hit >= 0 else free.text
+        sp = SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+        assert llm.generate([ids], sp)[0].outputs[0].text == want, (min_tokens, stop)
+        body = dict(model=server.model_name, prompt=ids, max_tokens=16, temperature=0, stop=[stop],
+                    extra_body=dict(min_tokens=min_tokens, ignore_eos=True))
+        c = client(url)
+        assert c.completions.create(**body).choices[0].text == want
+        assert "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True) if ch.choices) == want
+        if min_tokens == 0:
+            early = want
+    assert len(early) < len(want)  # the control: min_tokens moved the cut

@@ -381,12 +381,18 @@ class Scheduler:
     # ---- output -----------------------------------------------------------------------
 
     def _emit(self, seq: Seq, new: list[int], done: bool) -> None:
+        # The tokens before min_tokens pass the stop-string matcher unmatched (vLLM's rule), so they
+        # are detokenized apart from the rest.
+        quiet = max(0, min(len(new), seq.params.min_tokens - seq.num_generated))
         seq.tokens.extend(new)
-        text = ""
-        if seq.detok is not None:
-            with self.tokenizer_lock:
-                text = seq.detok.add(new, final=done)
-        text, hit_stop_string = seq.stopper.feed(text)
+        text, hit_stop_string = "", False
+        for part, armed in [(new[:quiet], False), (new[quiet:], True)] if quiet else [(new, True)]:
+            delta = ""
+            if seq.detok is not None:
+                with self.tokenizer_lock:
+                    delta = seq.detok.add(part, final=done and armed)
+            delta, hit_stop_string = seq.stopper.feed(delta, armed)
+            text += delta
         if done or hit_stop_string:
             if not hit_stop_string:
                 text += seq.stopper.flush()
