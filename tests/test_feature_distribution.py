@@ -53,6 +53,7 @@ from jaxspec.speculative.tree import build_chain_tree
 from jaxspec.speculative.types import Committed
 from jaxspec.speculative.verify import emitted_tokens, verify_rejection
 from tests.heads_fixtures import feature_heads_v8
+from tests.reference import greedy_rows
 from tests.test_feature_drafters import _target_features
 from tests.test_loop_distribution import PROMPT, VOCAB, chi_square_p, exact_joint, first_three, joint_counts
 from tests.test_loop_distribution import tiny  # noqa: F401  (the module-scoped V = 8 target fixture)
@@ -201,10 +202,9 @@ def eagle3_proposals(model, heads, context, temperature, top_p, seeds):
         s = SimpleNamespace(
             history=jnp.zeros((b, 16), jnp.int32).at[:, : len(context)].set(x[0]),
             hist_len=jnp.full((b,), len(context), jnp.int32), page_table=jnp.broadcast_to(table, (b, pages)),
-            done=jnp.zeros((b,), bool), corpus=None,
-            sampling=SimpleNamespace(temperature=jnp.full((b,), temperature, jnp.float32),
-                                     top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.full((b,), top_p, jnp.float32),
-                                     seed=seed))
+            done=jnp.zeros((b,), bool), corpus=None, prompt_lens=jnp.full((b,), len(context), jnp.int32),
+            sampling=dataclasses.replace(greedy_rows(b), temperature=jnp.full((b,), temperature, jnp.float32),
+                                         top_p=jnp.full((b,), top_p, jnp.float32), seed=seed))
         rows = dataclasses.replace(state, pending=jnp.broadcast_to(state.pending, (b, state.pending.shape[-1])))
         prop = drafter.propose(params, rows, s)
         return prop.tokens, prop.draft_probs
