@@ -233,12 +233,6 @@ class SamplingParams:
         return tuple(dict.fromkeys((() if self.ignore_eos else tuple(eos)) + self.stop_token_ids))
 
     @property
-    def penalized(self) -> bool:
-        """Whether any logit processor that reads the tokens before a position is on."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
-
-    @property
     def greedy(self) -> bool:
         """Temperature 0: every sample is the same, and seeds do not matter."""
         return self.temperature == 0
