@@ -61,7 +61,8 @@ class CompletionOutput:
     These cover every token the engine generated, past a stop string too.
     Without speculation they are None. logprobs (when SamplingParams.logprobs asked): per
     generated token {token id: Logprob} for the token and the N likeliest at its position, under
-    the target's raw distribution (vLLM's layout; scored after the request, engine/scoring.py).
+    the target's raw distribution by default (vLLM's layout; engine.logprobs_mode): read from the
+    logits the loop verified the token with, no extra forward (speculative/logprobs.py).
     """
 
     index: int
@@ -422,33 +423,30 @@ class LLM:
         for (i, group), res in zip(owners, results):
             out = self._completion(res, params[i].stop, params[i].min_tokens)
             samples[i] += [dataclasses.replace(out, index=j, seed=seed) for j, seed in group]
-        for i, sp in enumerate(params):
-            if sp.logprobs is not None:
-                samples[i] = [dataclasses.replace(o, logprobs=self._logprobs(ids[i], o.token_ids, sp.logprobs, sp))
-                              for o in samples[i]]
-        scored = [self._logprobs(pid[:1], pid[1:], sp.prompt_logprobs, sp, first=True) for pid, sp in zip(ids, params)]
+        scored = [self._prompt_logprobs(pid, sp) for pid, sp in zip(ids, params)]
         return [RequestOutput(p, pid, outs, lp) for p, pid, outs, lp in zip(items, ids, samples, scored)]
 
-    def _logprobs(self, context, tokens, top: int | None, sp: SamplingParams, first: bool = False):
-        """vLLM's per-token {token id: Logprob} of `tokens` after `context`, from one scoring forward
-        over both (engine/scoring.py; `sp` for engine.logprobs_mode = "processed"); None when not
-        asked. first: the prompt's own, led by None."""
-        if top is None:
+    def _prompt_logprobs(self, prompt_ids, sp: SamplingParams):
+        """The prompt's per-token {token id: Logprob}, led by None, from one scoring forward
+        (engine/scoring.py; `sp` for engine.logprobs_mode = "processed"); None when not asked."""
+        if sp.prompt_logprobs is None:
             return None
         if self._scorer is None:
             from jaxspec.engine.scoring import PromptScorer
 
             self._scorer = PromptScorer(self.engine.runner, self.eos_token_ids)
-        seq = list(context) + list(tokens)
-        sc = self._scorer.score(seq, top, sp, prompt_len=len(seq) if first else len(context))
+        sc = self._scorer.score(list(prompt_ids), sp.prompt_logprobs, sp, prompt_len=len(prompt_ids))
+        return [None] + self._logprob_dicts(list(prompt_ids)[1:], sc[1:])
+
+    def _logprob_dicts(self, tokens, sc) -> list[dict[int, Logprob]]:
+        """vLLM's per-token {token id: Logprob}: the top entries, and the token's own (`sc`: TokenScores)."""
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        out: list = [None] if first else []
-        for i in range(len(context), len(seq)):
+        out = []
+        for i, tok in enumerate(tokens):
             entry = {int(t): Logprob(float(lp), r + 1, text(int(t)))
                      for r, (t, lp) in enumerate(zip(sc.top_ids[i], sc.top_logprobs[i]))}
-            tok = int(seq[i])
-            if tok not in entry:
-                entry[tok] = Logprob(float(sc.token_logprobs[i]), int(sc.token_ranks[i]), text(tok))
+            if int(tok) not in entry:
+                entry[int(tok)] = Logprob(float(sc.token_logprobs[i]), int(sc.token_ranks[i]), text(int(tok)))
             out.append(entry)
         return out
 
@@ -467,6 +465,8 @@ class LLM:
             self._metrics = self._metrics.merge(m)
             record = dict(accept_lengths=res.accept_lengths, tau=m.tau, acceptance_rate=m.acceptance_rate,
                           position_acceptance=m.position_acceptance(self.engine.spec_plan.max_depth))
+        if res.logprobs is not None:  # recorded in the loop; a stop string's cut drops the tail
+            record["logprobs"] = self._logprob_dicts(ids, res.logprobs[: len(ids)])
         return CompletionOutput(index=0, text=text, token_ids=ids, finish_reason=reason, seed=0, **record)
 
     # ---- statistics ---------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ def test_generated_logprobs_equal_hf(llms, spec):
     """Every generated token's log-probability and top entries, at batch 1 and 2 (three prompts over
     buckets of 2), greedy and sampled: the same numbers as HF over prompt + output."""
     hf, engines = llms
+    engines[spec]._scorer = None  # built on first use: asserted unused below
     prompts = [[5, 17, 33, 9, 120], [7, 7, 7, 7, 7, 7, 7, 7], [200, 3, 41]]
     for sp in (SamplingParams(max_tokens=12, logprobs=3), SamplingParams(max_tokens=12, logprobs=3,
                                                                          temperature=0.9, seed=5)):
@@ -73,6 +74,7 @@ def test_generated_logprobs_equal_hf(llms, spec):
                 assert got[j][best].rank == 1 and math.isclose(got[j][best].logprob, row.max(), abs_tol=2e-4)
             if sp.temperature == 0:
                 assert all(got[j][t].rank == 1 for j, t in enumerate(gen))  # greedy: every token the argmax
+    assert engines[spec]._scorer is None  # read from the loop's own logits: no scoring forward ran
 
 
 def test_prompt_logprobs_off_and_bad_values(llms):
@@ -84,6 +86,28 @@ def test_prompt_logprobs_off_and_bad_values(llms):
                 SamplingParams(**{field: bad})
     out = engines[None].generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert [sorted(e) if e else None for e in out.prompt_logprobs] == [None, [6], [7]]  # the token alone
+
+
+def test_block_top_k_is_lax_top_k():
+    """The loop's top entries (`logprobs.top_k`, blocks by their maxima) equal lax.top_k on a real-sized
+    vocabulary, including a ragged last block, peaked rows and heavy ties (values equal; ids hold them)."""
+    import jax
+
+    from jaxspec.speculative.logprobs import top_k
+
+    rng = np.random.default_rng(0)
+    v = 49152 + 37
+    smooth = rng.normal(size=(5, v)).astype(np.float32)
+    peaked = smooth.copy()
+    peaked[:, v - 3:] += 40.0  # the top entries all in the ragged last block
+    ties = rng.integers(0, 4, size=(3, v)).astype(np.float32)
+    for x in (smooth, peaked, ties):
+        vals, ids = jax.jit(top_k, static_argnums=1)(x, 20)
+        ref_vals, ref_ids = jax.lax.top_k(x, 20)
+        np.testing.assert_array_equal(vals, ref_vals)
+        np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), vals)
+        if x is not ties:
+            np.testing.assert_array_equal(ids, ref_ids)
 
 
 # ---- the server: echo + logprobs, as lm-evaluation-harness's loglikelihood asks ---------------------
@@ -158,17 +182,60 @@ def test_server_generated_logprobs_completions_and_chat(served, chat_model_dir):
     assert content[0].top_logprobs[0].token == content[0].token  # greedy: the top entry is the token
 
 
+def test_server_streams_logprobs(served, chat_model_dir):
+    """Streamed completions and chat carry each chunk's tokens' logprobs: together, the same tokens
+    and numbers as HF over prompt + output (greedy, so HF's own continuation), the completions'
+    text_offset running over the chunks; the server speculates (n-gram, adaptive)."""
+    import transformers as tf
+
+    from tests.serve_util import client
+
+    server, url = served
+    hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    tok = server.tokenizer
+    c = client(url)
+    ids = tok.encode("one two three one two three one two", add_special_tokens=False)
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    ref = hf_logprobs(hf, ids + gen)
+    tokens, lps, offsets, tops = [], [], [], []
+    for ch in c.completions.create(model=server.model_name, prompt=ids, max_tokens=12, temperature=0, logprobs=2,
+                                   stream=True):
+        lp = ch.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            lps += lp.token_logprobs
+            offsets += lp.text_offset
+            tops += lp.top_logprobs
+    assert tokens == [tok.decode([t]) for t in gen]
+    np.testing.assert_allclose(lps, [ref[len(ids) + j - 1, t] for j, t in enumerate(gen)], atol=2e-4)
+    assert offsets == np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist()
+    assert all(len(t) == 2 and math.isclose(max(t.values()), lp, abs_tol=2e-4) for t, lp in zip(tops, lps))
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    content = [e for ch in c.chat.completions.create(model=server.model_name, messages=messages, max_tokens=8,
+                                                      temperature=0, logprobs=True, top_logprobs=1, stream=True)
+               if ch.choices and ch.choices[0].logprobs is not None for e in ch.choices[0].logprobs.content]
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    gen = gen[: gen.index(tok.eos_token_id) + 1] if tok.eos_token_id in gen else gen
+    ref = hf_logprobs(hf, prompt + gen)
+    assert [e.token for e in content] == [tok.decode([t]) for t in gen]
+    np.testing.assert_allclose([e.logprob for e in content], [ref[len(prompt) + j - 1, t] for j, t in enumerate(gen)],
+                               atol=2e-4)
+    assert all(e.top_logprobs[0].token == e.token for e in content)  # greedy: the top entry is the token
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("completions", dict(prompt="hi", max_tokens=1, logprobs=21), "logprobs"),
     ("completions", dict(prompt="hi", max_tokens=1, echo=True, stream=True), "echo"),
-    ("completions", dict(prompt="hi", max_tokens=2, logprobs=1, stream=True), "logprobs"),
     ("completions", dict(prompt="hi", max_tokens=1, echo="yes"), "echo"),
     ("completions", dict(prompt="hi", max_tokens=1, top_logprobs=2), "top_logprobs"),
     ("chat/completions", dict(logprobs=1), "logprobs"),  # a boolean there
     ("chat/completions", dict(top_logprobs=2), "top_logprobs"),  # needs logprobs: true
     ("chat/completions", dict(logprobs=True, top_logprobs=30), "top_logprobs"),
     ("chat/completions", dict(echo=True), "echo"),
-    ("chat/completions", dict(logprobs=True, stream=True), "logprobs"),
 ])
 def test_server_refuses_what_it_cannot_score(served, path, body, field):
     import httpx
@@ -236,21 +303,28 @@ def test_logprobs_under_every_feature_drafter_equal_hf(tiny_dirs, tmp_path, alg,
         np.testing.assert_allclose(got, [ref[len(ids) + j - 1, t] for j, t in enumerate(gen)], atol=2e-4)
 
 
-def test_processed_logprobs_are_the_sampled_distribution(tiny_dirs):
-    """engine.logprobs_mode = "processed": the distribution each request samples from (temperature,
-    then top-k, then top-p), from HF's logits in numpy; tokens it excludes read -9999; greedy is one-hot."""
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_processed_logprobs_are_the_sampled_distribution(tiny_dirs, spec):
+    """engine.logprobs_mode = "processed": the distribution each request samples from (repetition
+    penalty, temperature, then top-k, then top-p), from HF's logits in numpy; tokens it excludes
+    read -9999; greedy is one-hot. Under n-gram speculation each accepted draft's entry comes from its
+    own tree node, penalized under its own path."""
     path, hf = tiny_dirs["llama"]
-    llm = LLM(str(path), progress=False, logprobs_mode="processed", **ENGINE)
-    ids = [5, 17, 33, 9, 120]
-    for sp in (SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=3, logprobs=2),
-               SamplingParams(max_tokens=6, temperature=1.3, top_p=0.6, seed=4, logprobs=2),
-               SamplingParams(max_tokens=6, logprobs=2)):
+    llm = LLM(str(path), spec=spec, progress=False, logprobs_mode="processed", **ENGINE)
+    ids = [5, 17, 33, 9, 120, 5, 17, 33, 9]
+    for sp in (SamplingParams(max_tokens=8, temperature=0.7, top_k=5, seed=3, logprobs=2),
+               SamplingParams(max_tokens=8, temperature=1.3, top_p=0.6, seed=4, logprobs=2),
+               SamplingParams(max_tokens=8, temperature=0.8, repetition_penalty=1.5, seed=6, logprobs=2),
+               SamplingParams(max_tokens=8, logprobs=2)):
         out = llm.generate([ids], sp)[0].outputs[0]
         gen = out.token_ids
         with torch.no_grad():
             logits = hf(torch.tensor([ids + gen])).logits[0].double().numpy()
         for j, t in enumerate(gen):
-            row = logits[len(ids) + j - 1]
+            row = logits[len(ids) + j - 1].copy()
+            seen = list(set(ids + gen[:j]))  # vLLM's repetition penalty: prompt + output so far
+            r = sp.repetition_penalty
+            row[seen] = np.where(row[seen] > 0, row[seen] / r, row[seen] * r)
             if sp.temperature == 0:
                 want = np.where(np.arange(row.size) == row.argmax(), 0.0, -9999.0)
             else:

@@ -90,10 +90,19 @@ def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec
         assert hcfg.kind != "eagle3" or hcfg.feature_layers == (2, 15, 27)
         draft = init_head_params(hcfg, seed=1), hcfg
     engine = Engine(smollm.params, smollm.config, ENGINE, progress=False, spec=SpecSection(**spec_kw), draft=draft)
-    results = engine.generate([Request(p, SamplingParams(max_tokens=NEW)) for p in prompts[:3]])
+    results = engine.generate([Request(p, SamplingParams(max_tokens=NEW, logprobs=5)) for p in prompts[:3]])
     for p, res, ref in zip(prompts, results, hf_refs):
         assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
     assert engine.runner.allocator.num_used == 0
+    # The loop's log-probabilities on the real vocabulary (read from the verify logits): HF's
+    # log_softmax over prompt + output, and its 5 likeliest as the top entries.
+    p, res = prompts[1], results[1]
+    with torch.no_grad():
+        ref = torch.log_softmax(smollm_hf(torch.tensor([p + res.output_ids])).logits[0].float(), -1).numpy()
+    ref = ref[len(p) - 1: -1]
+    lp = res.logprobs
+    np.testing.assert_allclose(lp.token_logprobs, ref[np.arange(len(ref)), res.output_ids], atol=5e-3)
+    np.testing.assert_allclose(lp.top_logprobs, -np.sort(-ref, axis=-1)[:, :5], atol=5e-3)
 
 
 def test_fast_tokenizer_path_equals_autotokenizer(smollm):

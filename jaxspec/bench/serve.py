@@ -72,15 +72,9 @@ def load_prompts(name: str, n: int) -> list[str]:
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
                       extra: dict | None = None) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     t0 = time.perf_counter()
-    if extra is not None:  # not streamed (log-probabilities come with the finished request): TTFT = the request
-        body = {**{k: v for k, v in body.items() if not k.startswith("stream")}, **extra}
-        resp = await client.post(url + "/v1/chat/completions", json=body)
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]!r}")
-        end, tokens = time.perf_counter(), resp.json()["usage"]["completion_tokens"]
-        return {"ttft": end - t0, "tpot": (end - t0) / max(tokens, 1), "tokens": tokens, "end": end}
     first = last = None
     tokens = 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -133,8 +127,8 @@ def accept_stats(url: str) -> tuple[float, float]:
     return total, count
 
 
-# --logprobs: the same requests without streaming, without and with chat log-probabilities, taking turns.
-LOGPROB_VARIANTS = {"no stream": {"logprobs": False}, "+ logprobs": {"logprobs": True, "top_logprobs": 1}}
+# --logprobs: the same streamed requests without and with chat log-probabilities, taking turns.
+LOGPROB_VARIANTS = {"": None, "+ logprobs": {"logprobs": True, "top_logprobs": 1}}
 
 
 def bench_url(url: str, model: str, prompts: list[str], levels: list[int], args) -> list[dict]:
@@ -261,7 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--modes", default="off,on,adaptive")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the Hugging Face batch-1 peer (0 = skip)")
-    p.add_argument("--logprobs", action="store_true", help="time each level unstreamed without and with chat "
+    p.add_argument("--logprobs", action="store_true", help="time each level without and with chat "
                    "logprobs (top_logprobs 1), side by side (issue 26)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -291,7 +285,7 @@ def main(argv=None) -> int:
                 own = {x["variant"]: x["tok_s"] for x in rs if x["concurrency"] == c}
                 label = f"{mode} {r['variant']}".strip()
                 if r["variant"] == "+ logprobs":
-                    label += f" ({r['tok_s'] / own['no stream']:.3f}x without)"
+                    label += f" ({r['tok_s'] / own['']:.3f}x without)"
                 rows.append([c, label, r["tok_s"], r["tok_s"] / base.get((c, r["variant"]), float("nan")),
                              r["tok_s"] / hf_tps if c == 1 else float("nan"), r["tok_s"] / roofline,
                              r["ttft_p50"], r["ttft_p99"], 1e3 * r["tpot_p50"], 1e3 * r["tpot_p99"], r["tau"]])

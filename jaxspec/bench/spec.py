@@ -93,6 +93,36 @@ PENALTY_TWINS = {"+ penalties (cost only)": dict(frequency_penalty=1e-6),
                  "+ penalties (rep 1.1, presence 0.3)": dict(repetition_penalty=1.1, presence_penalty=0.3)}
 
 
+# --logprobs: every token's log-probability and top 5, read from the verify logits (issue 26): same tokens.
+LOGPROB_TWINS = {"+ logprobs (top 5)": dict(logprobs=5)}
+
+
+def logprob_cost(vocab: int, sizes=((1, 4), (8, 4)), reps: int = 30) -> list[list]:
+    """[B, D+1, ms without, ms with] of a verify step's logprob entries alone (`path_entries` over
+    [B, D+1, V] logits): what `--logprobs` adds per step, free of the end-to-end runs' noise."""
+    from jaxspec.engine.device_sampling import DeviceSampling
+    from jaxspec.engine.types import RowInput
+    from jaxspec.sampling_params import SamplingParams
+    from jaxspec.speculative.logprobs import path_entries
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for b, n in sizes:
+        logits = jnp.asarray(rng.normal(size=(b, n, vocab)), jnp.float32)
+        index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+        emitted = jnp.asarray(rng.integers(0, vocab, (b, n)), jnp.int32)
+        fn = jax.jit(lambda x, sp: path_entries(x, x, index, emitted, sp, "raw"))  # noqa: B023
+        ms = []
+        for fields in ({}, LOGPROB_TWINS["+ logprobs (top 5)"]):
+            row = RowInput(tokens=[0], prompt_len=1, page_row=np.zeros(1, np.int32), slot=0,
+                           params=SamplingParams(**fields), stop_ids=(0,))
+            sp = DeviceSampling.pack([row] * b, b)
+            jax.block_until_ready(fn(logits, sp))  # compile
+            ms.append(1e3 * median(timed(lambda: jax.block_until_ready(fn(logits, sp)), reps)))  # noqa: B023
+        rows.append([b, n, *ms])
+    return rows
+
+
 def penalty_cost(vocab: int, sizes=((1, 4), (8, 4)), ctx: int = 1024, reps: int = 30) -> list[list]:
     """[B, N, ms without, ms with] of the verify step's processors alone (`penalize_tree` over [B, N, V]
     logits after a `ctx`-token history): their cost, free of the end-to-end runs' noise."""
@@ -296,6 +326,8 @@ def main(argv=None) -> int:
                    "size on MT-Bench (0: skip)")
     p.add_argument("--penalties", action="store_true", help="time every method also with penalties on (twins "
                    "sharing its engine: a cost-only penalty and a real one, issue 26)")
+    p.add_argument("--logprobs", action="store_true", help="time every method also with logprobs (top 5) on (a "
+                   "twin sharing its engine, issue 26)")
     args = p.parse_args(argv)
 
     from jaxspec.bench.decode import param_bytes
@@ -327,9 +359,9 @@ def main(argv=None) -> int:
         draft = truncate_layers(model.params, model.config, args.draft_layers)
         methods = {k: (kw, draft if d == "truncated" else d) for k, (kw, d) in methods.items()}
     engines = {name: engine_for(model, kw, d) for name, (kw, d) in methods.items()}
-    if args.penalties:
-        engines.update({f"{name} {twin}": Processed(eng, **fields) for name, eng in list(engines.items())
-                        for twin, fields in PENALTY_TWINS.items()})
+    twins = {**(PENALTY_TWINS if args.penalties else {}), **(LOGPROB_TWINS if args.logprobs else {})}
+    engines.update({f"{name} {twin}": Processed(eng, **fields) for name, eng in list(engines.items())
+                    for twin, fields in twins.items()})
     hf = None
     if not args.no_hf:
         import torch
@@ -393,6 +425,9 @@ def main(argv=None) -> int:
     if args.penalties:
         print("\nthe verify step's processors alone (penalize_tree, 1,024-token history, median ms):")
         print_table(["B", "N", "ms, no row asks", "ms, every row penalized"], penalty_cost(model.config.vocab_size))
+    if args.logprobs:
+        print("\na verify step's logprob entries alone (path_entries, top 20 kept, median ms):")
+        print_table(["B", "D+1", "ms, no row asks", "ms, every row asks"], logprob_cost(model.config.vocab_size))
 
     if heads and "MT-Bench" in sets:
         prompt = sets["MT-Bench"][0]

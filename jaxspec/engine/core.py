@@ -27,14 +27,16 @@ from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.speculative.loop import SpecState
+from jaxspec.speculative.logprobs import first_entries
 from jaxspec.speculative.penalties import penalize
 from jaxspec.speculative.sampling import sample_token
 from jaxspec.speculative.types import Committed
 
 
-def make_chunk_prefill_fn(cfg: ModelConfig, drafter):
+def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw"):
     """prefill(params, draft_params, cache, draft_state, tokens [B, L], q_start [B], chunk_lens [B],
-    page_table [B, P], sampling, history [B, H], prompt_lens [B]) -> (cache, draft_state, first [B]).
+    page_table [B, P], sampling, history [B, H], prompt_lens [B]) -> (cache, draft_state, first [B],
+    first's logprob entries ([B], [B], [B, K], [B, K]; `logprobs.first_entries`, zeros unless asked)).
 
     One chunk of up to L prompt tokens per row at cache slots q_start..
     (chunk_lens 0 = padding row); `first` is the token sampled at each chunk's
@@ -55,11 +57,12 @@ def make_chunk_prefill_fn(cfg: ModelConfig, drafter):
                       logits_index=last, **capture)
         logits = penalize(out.logits, sampling, history, kv_len, prompt_lens)
         first = sample_token(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
-                             sampling.seed, kv_len)
+                             sampling.seed, kv_len).astype(jnp.int32)
         if drafter is not None:
             chunk = Committed(tokens, out.features, q_start, chunk_lens)
             draft_state = drafter.prefill(draft_params, draft_state, chunk, page_table)
-        return out.cache, draft_state, first.astype(jnp.int32)
+        lp = first_entries(out.logits[:, 0], logits[:, 0], first, sampling, logprobs_mode)
+        return out.cache, draft_state, first, lp
 
     return prefill_fn
 
@@ -126,9 +129,9 @@ def prefill_adapter(chunk_prefill):
     """The shared chunked prefill with the drafter state third (what `with_slots` expects)."""
 
     def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling, history, prompt_lens):
-        cache, draft, first = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table, sampling,
-                                            history, prompt_lens)
-        return cache, first, draft
+        cache, draft, first, lp = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table,
+                                                sampling, history, prompt_lens)
+        return cache, first, lp, draft
 
     return fn
 

@@ -35,6 +35,7 @@ class DeviceSampling:
     min_tokens: jax.Array  # [B] int32
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, -1 padded
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32
+    logprobs: jax.Array  # [B] bool: the row reports its tokens' log-probabilities (speculative/logprobs.py)
 
     @classmethod
     def abstract(cls, b: int) -> "DeviceSampling":
@@ -45,7 +46,8 @@ class DeviceSampling:
                    stop_ids=jax.ShapeDtypeStruct((b, MAX_STOP_IDS), jnp.int32), max_tokens=i32,
                    presence=f32, frequency=f32, repetition=f32, min_tokens=i32,
                    bias_ids=jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.int32),
-                   bias=jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.float32))
+                   bias=jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.float32),
+                   logprobs=jax.ShapeDtypeStruct((b,), jnp.bool_))
 
     @classmethod
     def pack(cls, rows: Sequence, b: int) -> "DeviceSampling":
@@ -57,7 +59,7 @@ class DeviceSampling:
         topk, seed, max_tokens = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         presence, frequency, repetition = np.zeros((b,), np.float32), np.zeros((b,), np.float32), np.ones((b,), np.float32)
-        min_tokens = np.zeros((b,), np.int32)
+        min_tokens, logprobs = np.zeros((b,), np.int32), np.zeros((b,), bool)
         bias_ids, bias = np.full((b, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((b, MAX_LOGIT_BIAS), np.float32)
         for i, r in enumerate(rows):
             if r is None:
@@ -68,8 +70,9 @@ class DeviceSampling:
             stop[i, : len(r.stop_ids)] = list(r.stop_ids)[:MAX_STOP_IDS]
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             min_tokens[i] = min(p.min_tokens, 2**31 - 1)
+            logprobs[i] = p.logprobs is not None
             for j, (tid, v) in enumerate(p.logit_bias):
                 bias_ids[i, j], bias[i, j] = tid, v
         return cls(temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_tokens=max_tokens,
                    presence=presence, frequency=frequency, repetition=repetition, min_tokens=min_tokens,
-                   bias_ids=bias_ids, bias=bias)
+                   bias_ids=bias_ids, bias=bias, logprobs=logprobs)

@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec.config import EngineSection
 from jaxspec.engine.phases import decode_phases
 from jaxspec.engine.runner import ModelRunner
-from jaxspec.engine.types import Request, RequestError, Result, RowInput, bucket_for
+from jaxspec.engine.types import Request, RequestError, Result, RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters import algorithm_info
 
@@ -182,7 +182,7 @@ class Engine:
                     stop_ids=tuple(q.stop_token_ids), shard=shard)
             # 2. Prefill (one chunk: the prompt bucket), its sampled token first.
             t0 = time.perf_counter()
-            first = r.prefill([row and (row, 0, row.prompt_len) for row in rows])
+            first, first_lp = r.prefill_scored([row and (row, 0, row.prompt_len) for row in rows])
             t1 = time.perf_counter()
             live = [None] * b
             for i, (q, row) in enumerate(zip(reqs, rows)):
@@ -206,5 +206,8 @@ class Engine:
             timing["new_tokens"] += len(out)
             stopped = out[-1] in q.stop_token_ids
             accept = (outs[i].accept_lens if outs[i] is not None else []) if self.spec_plan and k else None
-            results.append(Result(list(q.prompt_ids), out, "stop" if stopped else "length", accept))
+            lp = first_lp[i]
+            if lp is not None and outs[i] is not None:
+                lp = TokenScores.concat([lp, outs[i].logprobs])
+            results.append(Result(list(q.prompt_ids), out, "stop" if stopped else "length", accept, lp))
         return results

@@ -18,6 +18,7 @@ from jaxspec import mesh as shd
 from jaxspec.engine.core import gather_rows, scatter_rows
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import RequestError, RowInput
+from jaxspec.speculative.logprobs import TokenLogprobs
 from jaxspec.speculative.loop import SpecState, make_phase_fns
 
 
@@ -37,9 +38,9 @@ def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, ti
                 with timed("draft"):
                     t, p, q, d = jax.block_until_ready(draft(r.draft_params, s))
                 with timed("verify"):
-                    new_cache, result, feats = jax.block_until_ready(verify(r.params, s, t, p, q))
+                    new_cache, result, feats, lp = jax.block_until_ready(verify(r.params, s, t, p, q))
                 with timed("other"):
-                    new = jax.block_until_ready(commit(s, new_cache, d, t, result, p))
+                    new = jax.block_until_ready(commit(s, new_cache, d, t, result, p, lp))
                 with timed("draft"):  # the draft-extend is drafting work
                     s = jax.block_until_ready(observe(r.draft_params, s, new, t, result, feats))
         r.cache = s.cache
@@ -47,8 +48,7 @@ def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, ti
         r.draft_cache = r.store[0]
     finally:
         r._restore()
-    result = shd.to_host((s.history, s.hist_len, s.done, s.accept_lens, s.num_verify))
-    return r.decode_outputs(rows, result)
+    return r.decode_outputs(rows, r.fetch(s, rows))
 
 
 def loop_state(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[SpecState, jax.Array]:
@@ -57,4 +57,6 @@ def loop_state(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int) -> tu
     _, inputs = r.decode_inputs(k, rows, ctx)
     slots = jnp.asarray(inputs["slots"])
     s = r._state(shd.shard_batch(inputs, r.mesh), ctx)
-    return dataclasses.replace(s, draft=gather_rows(r.drafters[k], r.store, slots)), slots
+    s = dataclasses.replace(s, draft=gather_rows(r.drafters[k], r.store, slots),
+                            logprobs=TokenLogprobs.zeros(s.hist_len, ctx, r.cfg.vocab_size))
+    return s, slots

@@ -55,7 +55,7 @@ from jaxspec.config import EngineSection
 from jaxspec.engine.core import (decode_adapter, make_chunk_prefill_fn, prefill_adapter, row_state, spec_state,
                                  stateless, with_slots)
 from jaxspec.engine.device_sampling import DeviceSampling
-from jaxspec.engine.types import RequestError, RowInput, RowOutput, bucket_for
+from jaxspec.engine.types import RequestError, RowInput, RowOutput, TokenScores, bucket_for
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
@@ -146,7 +146,8 @@ class ModelRunner:
         self.store = self._new_store()
         # 4. The jitted programs; `pinned`: outputs keep the mesh layout, so each accepts its own outputs.
         self._decode = {k: self._decode_fn(k) for k in self.candidates}
-        self._prefill = self.pinned(with_slots(prefill_adapter(make_chunk_prefill_fn(cfg, self.drafter)),
+        self._prefill = self.pinned(with_slots(prefill_adapter(make_chunk_prefill_fn(cfg, self.drafter,
+                                                                                      engine_cfg.logprobs_mode)),
                                                 self.drafter), replicated=(0, 1))
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
@@ -159,12 +160,14 @@ class ModelRunner:
         from jaxspec.config import SpecSection
         from jaxspec.speculative.algorithm import check_benchmark_only
 
+        mode = dict(logprobs_mode=self.ecfg.logprobs_mode)
         if not self.speculative:  # plain decoding: the k = 0 plan, any sampling allowed
             self.spec = SpecSection()
-            return SpecPlan.from_config(SpecSection(algorithm="none", num_draft_tokens=1, topk=1, num_steps=1))
+            plain = SpecSection(algorithm="none", num_draft_tokens=1, topk=1, num_steps=1)
+            return dataclasses.replace(SpecPlan.from_config(plain), **mode)
         self.spec = spec
         check_benchmark_only(spec, benchmark)
-        plan = SpecPlan.from_config(spec)
+        plan = dataclasses.replace(SpecPlan.from_config(spec), **mode)
         if ngram_corpus is not None:
             if "ngram_corpus" not in registration(plan.algorithm).reads:
                 raise RequestError(f"an n-gram corpus is read by drafters that read spec.ngram_corpus; "
@@ -494,24 +497,38 @@ class ModelRunner:
                       prompt_lens=prompt_lens)
         return ("prefill", b, c), inputs
 
-    def run_prefill(self, key: tuple, inputs: dict) -> np.ndarray:
-        """The token sampled at each row's chunk end [b]."""
+    def run_prefill(self, key: tuple, inputs: dict) -> tuple[np.ndarray, tuple | None]:
+        """(the token sampled at each row's chunk end [b], its logprob entries on the host when a
+        row asked for them, else None)."""
         self.compile([key])
         try:
             x = shd.shard_batch(inputs, self.mesh)
-            self.store, self.cache, first = self._compiled[key](
+            self.store, self.cache, first, lp = self._compiled[key](
                 self.params, self.draft_params, self.store, x["slots"], self.cache, x["tokens"], x["q_start"],
                 x["lens"], x["table"], x["sampling"], x["history"], x["prompt_lens"])
             self.draft_cache = self.store[0]
-            return np.asarray(shd.to_host(first))
+            return shd.to_host((first, lp if inputs["sampling"].logprobs.any() else None))
         finally:
             self._restore()
 
     def prefill(self, chunks: Sequence[tuple[RowInput, int, int]]) -> list[int]:
         """chunks: (row, q_start, chunk_len) each, or None (padding); returns the token sampled at each
         chunk's end (a padding row's is meaningless)."""
+        return self.prefill_scored(chunks)[0]
+
+    def prefill_scored(self, chunks: Sequence[tuple[RowInput, int, int]]):
+        """`prefill`'s tokens, and each one's TokenScores (one token; None unless its row asked)."""
         key, inputs = self.prefill_inputs(chunks)
-        return self.run_prefill(key, inputs)[: len(chunks)].tolist()
+        return self.prefill_outputs(chunks, self.run_prefill(key, inputs))
+
+    @staticmethod
+    def prefill_outputs(chunks, result) -> tuple[list[int], list]:
+        first, lp = result
+        scores = [None] * len(chunks)
+        for i, ch in enumerate(chunks):
+            if lp is not None and ch is not None and ch[0].params.logprobs is not None:
+                scores[i] = TokenScores(*(x[i: i + 1] for x in lp)).top(ch[0].params.logprobs)
+        return first[: len(chunks)].tolist(), scores
 
     def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
         b = bucket_for(len(rows), self.batch_buckets, "batch size")
@@ -545,16 +562,25 @@ class ModelRunner:
         )
 
     def run_decode(self, key: tuple, inputs: dict) -> tuple[np.ndarray, ...]:
-        """(history, hist_len, done, accept_lens, num_verify) after the call, on the host."""
+        """`fetch` of the state after the call."""
         state = self._state(shd.shard_batch(inputs, self.mesh), key[-1])
         self.compile([key])
         try:
             self.store, state = self._compiled[key](self.params, self.draft_params, self.store,
                                                     shd.shard_batch(inputs["slots"], self.mesh), state)
             self.cache, self.draft_cache = state.cache, self.store[0]
-            return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify))
+            return self.fetch(state, inputs["sampling"].logprobs.any())
         finally:
             self._restore()
+
+    @staticmethod
+    def fetch(state: SpecState, logprobs: bool) -> tuple:
+        """(history, hist_len, done, accept_lens, num_verify, the logprob entries (chosen, rank,
+        top ids, top logprobs) or None) on the host; the entries only when a row asked (`logprobs`):
+        a call without them moves no [B, W, 20] buffers."""
+        lp = state.logprobs
+        entries = (lp.chosen, lp.rank, lp.top_ids, lp.top_lps) if logprobs and lp is not None else None
+        return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify, entries))
 
     def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
         """Up to steps_per_call iterations with draft length k; returns ([RowOutput | None per row], iterations
@@ -564,13 +590,16 @@ class ModelRunner:
 
     @staticmethod
     def decode_outputs(rows: Sequence[RowInput], result: tuple[np.ndarray, ...]):
-        hist, new_len, done_out, acc, nv = result
+        hist, new_len, done_out, acc, nv, lp = result
         outs = []
         for i, r in enumerate(rows):
             if r is None:
                 outs.append(None)
                 continue
             n = len(r.tokens)
+            scores = None
+            if lp is not None and r.params.logprobs is not None:
+                scores = TokenScores(*(x[i, : new_len[i] - n] for x in lp)).top(r.params.logprobs)
             outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
-                                  accept_lens=acc[i, : nv[i]].tolist()))
+                                  accept_lens=acc[i, : nv[i]].tolist(), logprobs=scores))
         return outs, int(nv[: len(rows)].max(initial=0))

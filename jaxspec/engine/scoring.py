@@ -14,34 +14,19 @@ The LM head runs over the positions in chunks, so a long prompt never holds [T, 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache.paged import KVCache
+from jaxspec.engine.types import TokenScores
 from jaxspec.models.layers import linear
 from jaxspec.models.llama import forward
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.speculative.logprobs import TOP as MAX_TOP, entries, log_distribution
 from jaxspec.speculative.penalties import penalize
-from jaxspec.speculative.sampling import target_probs_from_logits
 
-MAX_TOP = 20  # OpenAI's and vLLM's cap on top logprobs
 CHUNK = 128  # positions per LM-head projection
-FLOOR = -9999.0  # a token the processed distribution excludes (log 0), as OpenAI writes it: JSON has no -inf
-
-
-@dataclasses.dataclass
-class PromptScores:
-    """token_logprobs [T]: log p(token i | tokens < i), NaN at position 0 (nothing predicts it);
-    token_ranks [T]: its rank there (1 = likeliest); top_ids / top_logprobs [T, k]: the k likeliest
-    tokens after position i - 1 (row 0 unused)."""
-
-    token_logprobs: np.ndarray
-    token_ranks: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
 
 
 def _length_bucket(n: int) -> int:
@@ -57,24 +42,24 @@ class PromptScorer:
     def __init__(self, runner, stop_ids=()):
         self.runner = runner
         self.stop_ids = tuple(stop_ids)  # the model's EOS (min_tokens bans them, processed mode)
-        self._fns: dict[tuple[int, bool], object] = {}  # (padded length, processed mode) -> jitted scorer
+        self._fns: dict[tuple[int, str], object] = {}  # (padded length, logprobs mode) -> jitted scorer
 
-    def _fn(self, length: int, processed: bool):
-        if (length, processed) not in self._fns:
+    def _fn(self, length: int, mode: str):
+        if (length, mode) not in self._fns:
             cfg = self.runner.cfg
 
-            def logprobs(logits, first, tokens, sp, prompt_len):  # [C, V] (positions first..) -> [C, V] f32
-                if not processed:
-                    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            def logprobs(logits, first, tokens, sp, prompt_len):  # [C, V] (positions first..) -> ([C, V], [C])
                 # Each position as a batch row of one (the processors' [B] parameters repeated):
                 # row c follows tokens[:first + c + 1].
                 c = logits.shape[0]
                 rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (c,) + x.shape[1:]), sp)
                 hist = first + jnp.arange(c, dtype=jnp.int32) + 1
-                z = penalize(logits[:, None], rows, jnp.broadcast_to(tokens, (c, length)), hist,
-                             jnp.minimum(jnp.full((c,), prompt_len), hist))
-                probs = target_probs_from_logits(z, rows.temperature, rows.top_k, rows.top_p)[:, 0]
-                return jnp.maximum(jnp.log(probs), FLOOR)
+                z = logits[:, None]
+                if mode == "processed":
+                    z = penalize(z, rows, jnp.broadcast_to(tokens, (c, length)), hist,
+                                 jnp.minimum(jnp.full((c,), prompt_len), hist))
+                z, c = log_distribution(logits[:, None], z, rows, mode)
+                return z[:, 0], c[:, 0]
 
             def fn(params, tokens, n, sp, prompt_len):
                 # 1. Final-norm states of every position: one forward, no cache written.
@@ -90,23 +75,20 @@ class PromptScorer:
                 # 2. Per chunk: log-probabilities, the next token's entry, the top entries.
                 def chunk(args):
                     hc, tc, first = args
-                    lp = logprobs(linear(hc, params["head"]), first, tokens[0], sp, prompt_len)  # [C, V]
-                    chosen = jnp.take_along_axis(lp, tc[:, None], axis=1)[:, 0]
-                    rank = jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32) + 1
-                    top_lp, top_id = jax.lax.top_k(lp, MAX_TOP)
-                    return chosen, rank, top_lp, top_id
+                    z, c = logprobs(linear(hc, params["head"]), first, tokens[0], sp, prompt_len)
+                    return entries(z, c, tc)
 
-                chosen, rank, top_lp, top_id = jax.lax.map(chunk, (h, nxt, starts))
-                flat = lambda x: x.reshape((length,) + x.shape[2:])  # noqa: E731
-                return flat(chosen), flat(rank), flat(top_lp), flat(top_id)
+                out = jax.lax.map(chunk, (h, nxt, starts))
+                return tuple(x.reshape((length,) + x.shape[2:]) for x in out)
 
-            self._fns[(length, processed)] = jax.jit(fn)
-        return self._fns[(length, processed)]
+            self._fns[(length, mode)] = jax.jit(fn)
+        return self._fns[(length, mode)]
 
-    def score(self, prompt_ids, top: int = 0, sampling=None, prompt_len: int | None = None) -> PromptScores:
-        """The scores of `prompt_ids` with the `top` (0..20) likeliest tokens at each position;
-        `sampling` (a SamplingParams) in the runner's "processed" logprobs mode, else raw, with
-        the tokens from `prompt_len` on (default: none) counted as output by the penalties."""
+    def score(self, prompt_ids, top: int = 0, sampling=None, prompt_len: int | None = None) -> TokenScores:
+        """The scores of `prompt_ids` with the `top` (0..20) likeliest tokens at each position (entry
+        i: token i, after tokens < i; entry 0 NaN: nothing predicts it); `sampling` (a SamplingParams)
+        in the runner's "processed" logprobs mode, else raw, with the tokens from `prompt_len` on
+        (default: none) counted as output by the penalties."""
         from jaxspec.engine.device_sampling import DeviceSampling
         from jaxspec.engine.types import RowInput
 
@@ -116,12 +98,11 @@ class PromptScorer:
         length = _length_bucket(n)
         tokens = np.zeros((1, length), np.int32)
         tokens[0, :n] = prompt_ids
-        processed = self.runner.ecfg.logprobs_mode == "processed"
         sp = sampling if sampling is not None else SamplingParams()
         row = RowInput(tokens=(), prompt_len=0, page_row=np.zeros(1, np.int32), slot=0, params=sp,
                        stop_ids=sp.stop_ids(self.stop_ids))
         with self.runner.mesh_context():
-            chosen, rank, top_lp, top_id = jax.device_get(self._fn(length, processed)(
+            chosen, rank, top_id, top_lp = jax.device_get(self._fn(length, self.runner.ecfg.logprobs_mode)(
                 self.runner.params, jnp.asarray(tokens), jnp.int32(n), DeviceSampling.pack([row], 1),
                 jnp.int32(n if prompt_len is None else prompt_len)))
         # chosen[i] scores token i + 1 from position i: shift so entry i belongs to token i.
@@ -129,4 +110,4 @@ class PromptScorer:
         k = max(0, min(int(top), MAX_TOP))
         shift = lambda x: np.concatenate([np.zeros_like(x[:1]), x[: n - 1]])[:, :k]  # noqa: E731
         ranks = np.concatenate([[0], rank[: n - 1]]).astype(np.int32)
-        return PromptScores(token_lp, ranks, shift(top_id), shift(top_lp))
+        return TokenScores(token_lp, ranks, shift(top_id), shift(top_lp))

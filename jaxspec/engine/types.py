@@ -33,6 +33,7 @@ class Result:
     output_ids: list[int]
     finish_reason: str  # "stop" (a stop token) or "length"
     accept_lengths: list[int] | None = None  # speculative: committed tokens per verify step
+    logprobs: TokenScores | None = None  # output_ids' own, when params.logprobs asked
 
 
 class RequestError(ValueError):
@@ -61,7 +62,41 @@ class RowInput:
 
 
 @dataclasses.dataclass
+class TokenScores:
+    """Log-probabilities of a run of tokens: token_logprobs [T] (log p of each token where it was
+    produced; NaN where nothing predicts it, a prompt's first token), token_ranks [T] (1 =
+    likeliest), top_ids / top_logprobs [T, k] (the k likeliest tokens there, likeliest first)."""
+
+    token_logprobs: np.ndarray
+    token_ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.token_logprobs, self.token_ranks, self.top_ids, self.top_logprobs
+
+    def __len__(self) -> int:
+        return len(self.token_logprobs)
+
+    def __getitem__(self, i: slice) -> "TokenScores":
+        return TokenScores(*(x[i] for x in self.arrays()))
+
+    def top(self, k: int) -> "TokenScores":
+        """The same tokens with only the k likeliest entries."""
+        return TokenScores(self.token_logprobs, self.token_ranks, self.top_ids[:, :k], self.top_logprobs[:, :k])
+
+    @staticmethod
+    def concat(parts: Sequence["TokenScores"], k: int = 0) -> "TokenScores":
+        """The parts one after another (none: no tokens, k top entries each)."""
+        if not parts:
+            return TokenScores(np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros((0, k), np.int32),
+                               np.zeros((0, k), np.float32))
+        return TokenScores(*(np.concatenate(xs) for xs in zip(*(p.arrays() for p in parts))))
+
+
+@dataclasses.dataclass
 class RowOutput:
     tokens: list[int]  # newly committed tokens, cut at a stop id or max_tokens
     done: bool
     accept_lens: list[int]  # committed tokens per verify step in this call
+    logprobs: TokenScores | None = None  # the tokens' own (top: the row's params.logprobs), when it asked

@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from jaxspec.engine.types import TokenScores
 from jaxspec.serve import protocol
 from jaxspec.serve.protocol import APIError
 from jaxspec.serve.server import Server
@@ -182,11 +183,11 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
         if p.stream:
             # The generator's `finally` cancels on disconnect, but a client gone before the first
             # chunk never starts it; the background task runs either way.
-            return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, p.include_usage),
+            return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, p.include_usage,
+                                          p.logprobs is not None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(_cancel_unfinished, server, seqs))
-        scoring = (parsed.prompts, p) if (p.echo or p.logprobs is not None) else None
-        return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens, scoring)
+        return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens, (parsed.prompts, p))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -206,10 +207,11 @@ def _cancel_unfinished(server: Server, seqs) -> None:
 
 
 async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, stream: _Stream,
-                   prompt_tokens: int, scoring=None):
-    """The whole response. `scoring` (prompts, params): a completion with echo or logprobs."""
+                   prompt_tokens: int, request_of):
+    """The whole response; request_of: (the prompts, the GenParams) for echo and logprobs."""
     texts = [""] * len(seqs)
     ids: list[list[int]] = [[] for _ in seqs]
+    lps: list[list] = [[] for _ in seqs]  # each choice's events' TokenScores, when asked
     reasons: list[str | None] = [None] * len(seqs)
     completion_tokens = 0
     last_check = time.monotonic()
@@ -228,6 +230,8 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
                 continue
             texts[index] += event.text
             ids[index] += list(event.token_ids)
+            if event.logprobs is not None:
+                lps[index].append(event.logprobs)
             completion_tokens += len(event.token_ids)
             if event.finish_reason is not None:
                 reasons[index] = event.finish_reason
@@ -237,38 +241,60 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
         raise APIError(500, f"generation aborted: {server.scheduler.last_error or 'server error'}",
                        type_="server_error")
     logprobs = None
-    if scoring is not None:  # one forward per choice, off the event loop (the runner's weights, read only)
-        texts, logprobs = await asyncio.to_thread(_score_choices, server, kind, *scoring, texts, ids)
+    prompts, p = request_of
+    if p.echo or p.logprobs is not None:  # echo scores the prompt: a forward, off the event loop
+        texts, logprobs = await asyncio.to_thread(_choice_logprobs, server, kind, prompts, p, texts, ids, lps)
     return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
                              completion_tokens, logprobs)
 
 
-def _score_choices(server: Server, kind: str, prompts: list[list[int]], p, texts: list[str],
-                   ids: list[list[int]]):
+def _choice_logprobs(server: Server, kind: str, prompts: list[list[int]], p, texts: list[str],
+                     ids: list[list[int]], lps: list[list]):
     """(texts, logprobs) of the choices: the prompt's text before each with echo, and each choice's
-    `logprobs` when asked, from one scoring forward over its prompt and generated tokens (the raw
-    distribution, engine/scoring.py); choice i * n + j is prompt i's."""
-    scorer = server.scorer()
+    `logprobs` when asked: its tokens' as the loop recorded them (speculative/logprobs.py), after
+    the prompt's from one scoring forward with echo (engine/scoring.py); choice i * n + j is prompt i's."""
     tok = server.tokenizer
     out_texts, out_lps = list(texts), []
     for i, prompt in enumerate(prompts):
         head = (tok.decode(prompt) if tok is not None else "") if p.echo else ""
+        prompt_scores = None
+        if p.echo and p.logprobs is not None:
+            prompt_scores = server.scorer().score(prompt, p.logprobs, p)
         for j in range(p.n):
             c = i * p.n + j
             out_texts[c] = head + texts[c]
             if p.logprobs is None:
                 continue
-            scores = scorer.score(prompt + ids[c], p.logprobs, p, prompt_len=len(prompt))
-            out_lps.append(protocol.chat_logprobs(tok, len(prompt), ids[c], scores) if kind == "chat" else
-                           protocol.completion_logprobs(tok, prompt, ids[c], scores, p.echo))
+            gen = TokenScores.concat(lps[c], p.logprobs)
+            with server.scheduler.tokenizer_lock:  # shared with the scheduler thread's detokenizing
+                if kind == "chat":
+                    out_lps.append(protocol.chat_logprobs(tok, ids[c], gen))
+                elif prompt_scores is not None:
+                    out_lps.append(protocol.completion_logprobs(tok, prompt + ids[c],
+                                                                TokenScores.concat([prompt_scores, gen]), first_null=True))
+                else:
+                    out_lps.append(protocol.completion_logprobs(tok, ids[c], gen))
     return out_texts, (out_lps or None)
 
 
-async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, prompt_tokens: int, include_usage: bool):
+async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, prompt_tokens: int, include_usage: bool,
+               logprobs: bool = False):
+    """The stream; with `logprobs`, each chunk carries its tokens' (as the loop recorded them)."""
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def chunk_logprobs(index: int, event):
+        if not logprobs or not event.token_ids:
+            return None
+        with server.scheduler.tokenizer_lock:
+            if kind == "chat":
+                return protocol.chat_logprobs(server.tokenizer, event.token_ids, event.logprobs)
+            out = protocol.completion_logprobs(server.tokenizer, event.token_ids, event.logprobs, offset=offsets[index])
+        offsets[index] += sum(len(t) for t in out["tokens"])
+        return out
+
     open_choices = set(range(len(seqs)))
+    offsets = [0] * len(seqs)  # completions' text_offset: the choice's token text so far
     completion_tokens = 0
     try:
         if kind == "chat":
@@ -282,8 +308,10 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
                                    type_="server_error").body())
                 yield "data: [DONE]\n\n"
                 return
-            if event.text or event.finish_reason is not None:
-                yield sse(protocol.chunk(kind, rid, server.model_name, index, event.text, event.finish_reason))
+            lp = chunk_logprobs(index, event)
+            if event.text or event.finish_reason is not None or lp is not None:
+                yield sse(protocol.chunk(kind, rid, server.model_name, index, event.text, event.finish_reason,
+                                         logprobs=lp))
             if event.finish_reason is not None:
                 open_choices.discard(index)
         if include_usage:

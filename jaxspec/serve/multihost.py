@@ -63,9 +63,12 @@ class LeaderRunner:
         _broadcast(inputs)
 
     def prefill(self, chunks):
+        return self.prefill_scored(chunks)[0]
+
+    def prefill_scored(self, chunks):
         key, inputs = self._runner.prefill_inputs(chunks)
         self._announce(key, inputs)
-        return self._runner.run_prefill(key, inputs)[: len(chunks)].tolist()
+        return self._runner.prefill_outputs(chunks, self._runner.run_prefill(key, inputs))
 
     def decode(self, k, rows, ctx):
         key, inputs = self._runner.decode_inputs(k, rows, ctx)

@@ -164,8 +164,8 @@ def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None 
         if n_top is not None and not want:
             raise bad("top_logprobs", "needs logprobs: true")
         logprobs = (n_top or 0) if want else None
-    if (echo or logprobs is not None) and stream:  # scored when the request ends (engine/scoring.py)
-        raise bad("echo" if echo else "logprobs", "is not supported with stream yet")
+    if echo and stream:  # the prompt is scored when the request ends (engine/scoring.py)
+        raise bad("echo", "is not supported with stream yet")
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise bad("best_of", "is not supported by this server")
@@ -294,13 +294,14 @@ def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], pr
 
 
 def chunk(kind: str, rid: str, model: str, index: int, text: str, finish_reason: str | None,
-          first: bool = False) -> dict:
+          first: bool = False, logprobs: dict | None = None) -> dict:
+    """logprobs: the chunk's tokens' (chat_logprobs / completion_logprobs), when asked."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
@@ -311,31 +312,28 @@ def usage_chunk(kind: str, rid: str, model: str, prompt_tokens: int, completion_
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_logprobs(tokenizer, prompt_ids: list[int], gen_ids: list[int], scores, echo: bool) -> dict:
-    """A completion choice's `logprobs` (OpenAI's legacy layout): tokens, token_logprobs (None for the
-    first prompt token), top_logprobs ({token text: logprob}) and text_offset, over the prompt (with
-    echo) and the generated tokens. `scores`: PromptScores of prompt + generated tokens."""
+def completion_logprobs(tokenizer, tokens: list[int], scores, first_null: bool = False, offset: int = 0) -> dict:
+    """A completion choice's (or stream chunk's) `logprobs` (OpenAI's legacy layout): tokens,
+    token_logprobs, top_logprobs ({token text: logprob}) and text_offset (from `offset`, the text
+    before them). `scores`: TokenScores of exactly `tokens`; first_null: the first token is a
+    prompt's first, which nothing predicts (echo): its entries are None."""
     text = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
-    p = len(prompt_ids)
-    tokens = (prompt_ids if echo else []) + list(gen_ids)
-    positions = range(0 if echo else p, p + len(gen_ids))
-    lps = [None if i == 0 else float(scores.token_logprobs[i]) for i in positions]
-    tops = [None if i == 0 else {text(int(k)): float(v) for k, v in zip(scores.top_ids[i], scores.top_logprobs[i])}
-            for i in positions]
+    null = lambda i: first_null and i == 0  # noqa: E731
+    lps = [None if null(i) else float(scores.token_logprobs[i]) for i in range(len(tokens))]
+    tops = [None if null(i) else {text(int(k)): float(v) for k, v in zip(scores.top_ids[i], scores.top_logprobs[i])}
+            for i in range(len(tokens))]
     strs = [text(int(t)) for t in tokens]
-    offsets = np.cumsum([0] + [len(x) for x in strs[:-1]]).tolist() if strs else []
+    offsets = (offset + np.cumsum([0] + [len(x) for x in strs[:-1]])).tolist() if strs else []
     return {"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, prompt_len: int, gen_ids: list[int], scores) -> dict:
-    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]} per generated token."""
+def chat_logprobs(tokenizer, tokens: list[int], scores) -> dict:
+    """A chat choice's (or stream chunk's) `logprobs`: {"content": [{token, logprob, bytes,
+    top_logprobs}]} per token; `scores`: TokenScores of exactly `tokens`."""
     def entry(t, lp):
         s = tokenizer.decode([int(t)]) if tokenizer is not None else str(t)
         return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
 
-    content = []
-    for j, t in enumerate(gen_ids):
-        i = prompt_len + j
-        content.append({**entry(t, scores.token_logprobs[i]),
-                        "top_logprobs": [entry(k, v) for k, v in zip(scores.top_ids[i], scores.top_logprobs[i])]})
-    return {"content": content}
+    return {"content": [{**entry(t, scores.token_logprobs[i]),
+                         "top_logprobs": [entry(k, v) for k, v in zip(scores.top_ids[i], scores.top_logprobs[i])]}
+                        for i, t in enumerate(tokens)]}

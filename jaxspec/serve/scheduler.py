@@ -41,7 +41,7 @@ from jaxspec.cache.paged import OutOfPagesError
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.engine.runner import ModelRunner
-from jaxspec.engine.types import RowInput
+from jaxspec.engine.types import RowInput, TokenScores
 from jaxspec.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxspec.serve")
@@ -61,6 +61,7 @@ class Event:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None (more to come)
+    logprobs: TokenScores | None = None  # token_ids' own, when the request asked
 
 
 @dataclasses.dataclass(eq=False)
@@ -307,8 +308,8 @@ class Scheduler:
         layout = self._layout(batch, r.prefill_batches)
         chunks = [None if s is None else
                   (self._row(s), s.num_cached, min(r.prefill_chunk, s.prefill_target - s.num_cached)) for s in layout]
-        first = r.prefill(chunks)
-        for seq, chunk, tok in zip(layout, chunks, first):
+        first, first_lp = r.prefill_scored(chunks)
+        for seq, chunk, tok, lp in zip(layout, chunks, first, first_lp):
             if seq is None:
                 continue
             seq.num_cached += chunk[2]
@@ -322,7 +323,7 @@ class Scheduler:
                 if self.metrics is not None:
                     self.metrics.first_token(seq)
                 stopped = tok in seq.stop_ids
-                self._emit(seq, [tok], stopped or seq.params.max_tokens <= 1)
+                self._emit(seq, [tok], stopped or seq.params.max_tokens <= 1, lp)
 
     def _ensure_pages(self) -> None:
         """Give every running row pages for the next call, preempting the newest on shortage."""
@@ -376,11 +377,11 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
-            self._emit(seq, out.tokens, out.done)
+            self._emit(seq, out.tokens, out.done, out.logprobs)
 
     # ---- output -----------------------------------------------------------------------
 
-    def _emit(self, seq: Seq, new: list[int], done: bool) -> None:
+    def _emit(self, seq: Seq, new: list[int], done: bool, logprobs: TokenScores | None = None) -> None:
         # The tokens before min_tokens pass the stop-string matcher unmatched (vLLM's rule), so they
         # are detokenized apart from the rest.
         quiet = max(0, min(len(new), seq.params.min_tokens - seq.num_generated))
@@ -400,12 +401,12 @@ class Scheduler:
                                           and seq.num_generated > 0)
             if self.metrics is not None:
                 self.metrics.tokens_out(seq, len(new))
-            self._finish(seq, "stop" if stopped else "length", Event(text, list(new)))
+            self._finish(seq, "stop" if stopped else "length", Event(text, list(new), logprobs=logprobs))
             return
         if self.metrics is not None:
             self.metrics.tokens_out(seq, len(new))
         if new:
-            seq.on_event(Event(text, list(new)))
+            seq.on_event(Event(text, list(new), logprobs=logprobs))
 
     def _release_slot(self, seq: Seq) -> None:
         if seq.slot is not None:

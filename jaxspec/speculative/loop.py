@@ -27,6 +27,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.pallas import use_kernel
 from jaxspec.speculative.commit import commit_accepted_kv
+from jaxspec.speculative.logprobs import TokenLogprobs, path_entries, record
 from jaxspec.speculative.penalties import penalize_tree
 from jaxspec.speculative.sampling import argmax_last, coupled_predict, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
@@ -49,6 +50,9 @@ class SpecState:
     sampling: object  # engine.device_sampling.DeviceSampling
     # [1, K] int32 n-gram corpus prepended to every history for matching, or None.
     corpus: jax.Array | None = None
+    # The committed tokens' log-probabilities of this call (speculative/logprobs.py), or None:
+    # not recorded (the decode function adds the buffers; a hand-built state may go without).
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,7 @@ class SpecPlan:
     # Capabilities of the algorithm (AlgorithmInfo), so nothing here asks its name.
     drafts_in_steps: bool = True  # tree depth bounded by num_steps (else by num_draft_tokens)
     variable_draft_width: bool = False  # drafts often end in padding: verify at narrower widths
+    logprobs_mode: str = "raw"  # which distribution logprobs report (engine.logprobs_mode)
 
     @property
     def chain(self) -> bool:
@@ -232,17 +237,22 @@ def _verify_forward(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, toke
 def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens, parents, draft_probs,
                  want: FeatureRequest = FeatureRequest()):
     """2-4. Tree, one target forward over the draft tree, accept:
-    (cache, VerifyResult, features [B, N, F] | None per `want`)."""
+    (cache, VerifyResult, features [B, N, F] | None per `want`, the emitted tokens' logprob
+    entries (`logprobs.path_entries`) | None when the state records none)."""
     live = ~s.done
     seq_lens = s.hist_len - 1
     tree = build_tree(tokens, parents, seq_lens, chain=parents is None)
-    cache, logits, feats = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live, want)
+    cache, raw, feats = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live, want)
     # Penalties, bias, min_tokens: each node under its own prefix (speculative/penalties.py).
-    logits = penalize_tree(logits, s.sampling, s.history, s.hist_len, s.prompt_lens, tokens, tree)
+    logits = penalize_tree(raw, s.sampling, s.history, s.hist_len, s.prompt_lens, tokens, tree)
     result = _verify(plan, tree, tokens, logits, draft_probs, s)
     if plan.simulate_accept_length:
         result = _simulate(plan, result, logits)
-    return cache, result, feats
+    step_lp = None
+    if s.logprobs is not None:
+        step_lp = path_entries(raw, logits, result.accept_index, emitted_tokens(tokens, result), s.sampling,
+                               plan.logprobs_mode)
+    return cache, result, feats, step_lp
 
 
 def committed_path(s: SpecState, tokens, result, feats) -> Committed:
@@ -258,8 +268,9 @@ def committed_path(s: SpecState, tokens, result, feats) -> Committed:
     return Committed(path_tokens, path_feats, s.hist_len - 1, count.astype(jnp.int32), result.bonus_token)
 
 
-def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool = False) -> SpecState:
-    """5-7. Commit K/V, emit tokens (cut at stops / max_new_tokens), record metrics."""
+def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool = False, step_lp=None) -> SpecState:
+    """5-7. Commit K/V, emit tokens (cut at stops / max_new_tokens) with their logprob entries
+    (`step_lp`, verify_phase's), record metrics."""
     live = ~s.done
     seq_lens = s.hist_len - 1
     # 5. The accepted path's K/V becomes contiguous. A chain's accepted path is a
@@ -285,17 +296,19 @@ def commit_phase(s: SpecState, cache, draft_state, tokens, result, chain: bool =
     # 7. Metrics: committed tokens per verify (before any stop/max-tokens cut).
     step_col = jnp.where(live, s.num_verify, s.accept_lens.shape[1])
     accept_lens = s.accept_lens.at[jnp.arange(new.shape[0]), step_col].set(committed, mode="drop")
+    logprobs = s.logprobs if step_lp is None else record(s.logprobs, step_lp, s.hist_len, n_emit)
     return dataclasses.replace(
         s, cache=cache, draft=draft_state, history=history, hist_len=hist_len, done=done,
-        num_verify=s.num_verify + live.astype(jnp.int32), accept_lens=accept_lens,
+        num_verify=s.num_verify + live.astype(jnp.int32), accept_lens=accept_lens, logprobs=logprobs,
     )
 
 
 def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_params, s: SpecState) -> SpecState:
     """One draft -> verify -> commit -> observe iteration (the while_loop body)."""
     tokens, parents, draft_probs, draft_state = draft_phase(plan, drafter, draft_params, s)
-    cache, result, feats = verify_phase(plan, cfg, params, s, tokens, parents, draft_probs, drafter.target_features)
-    out = commit_phase(s, cache, draft_state, tokens, result, chain=parents is None)
+    cache, result, feats, step_lp = verify_phase(plan, cfg, params, s, tokens, parents, draft_probs,
+                                                 drafter.target_features)
+    out = commit_phase(s, cache, draft_state, tokens, result, chain=parents is None, step_lp=step_lp)
     # 8. Draft-extend: the drafter sees what was committed, with its features.
     draft_state = drafter.observe(draft_params, out.draft, committed_path(s, tokens, result, feats), s.page_table)
     return dataclasses.replace(out, draft=draft_state)
@@ -303,9 +316,14 @@ def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_para
 
 def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter, max_iters: int | None = None):
     """Iterate until every row is done, or for at most `max_iters` iterations (the
-    server's bounded calls, so requests can join between them)."""
+    server's bounded calls, so requests can join between them). The returned state's
+    `logprobs` hold the call's committed tokens' entries (as wide as a call can commit)."""
 
     def decode_fn(params, draft_params, state: SpecState) -> SpecState:
+        width = state.history.shape[1]
+        if max_iters is not None:
+            width = min(width, max_iters * (plan.max_depth + 1))
+        state = dataclasses.replace(state, logprobs=TokenLogprobs.zeros(state.hist_len, width, cfg.vocab_size))
         if max_iters is None:
             return jax.lax.while_loop(
                 lambda s: ~jnp.all(s.done),
@@ -328,8 +346,8 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
     cache in every call would swamp the timings.
 
     draft(draft_params, state) -> (tokens, parents, draft_probs, draft_state), consumes state.draft
-    verify(params, state, tokens, parents, draft_probs) -> (cache, result, feats), consumes state.cache
-    commit(state, cache, draft_state, tokens, result, parents) -> state
+    verify(params, state, tokens, parents, draft_probs) -> (cache, result, feats, step_lp), consumes state.cache
+    commit(state, cache, draft_state, tokens, result, parents, step_lp) -> state
     observe(draft_params, old_state, new_state, tokens, result, feats) -> new_state (draft-extend), consumes new_state.draft
     """
     want = drafter.target_features
@@ -341,10 +359,10 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
         return verify_phase(plan, cfg, params, dataclasses.replace(rest, cache=cache), tokens, parents, draft_probs,
                             want)
 
-    def commit(rest, cache, draft_state, tokens, result, parents=None):
+    def commit(rest, cache, draft_state, tokens, result, parents=None, step_lp=None):
         # The fused loop's predicate (a chain is a proposal without parents), not the plan's shape.
         return commit_phase(dataclasses.replace(rest, cache=None), cache, draft_state, tokens, result,
-                            chain=parents is None)
+                            chain=parents is None, step_lp=step_lp)
 
     def observe(draft_params, draft_state, old, tokens, result, feats):
         return drafter.observe(draft_params, draft_state, committed_path(old, tokens, result, feats), old.page_table)
@@ -357,6 +375,6 @@ def make_phase_fns(plan: SpecPlan, cfg: ModelConfig, drafter):
     return (
         lambda dp, s: draft_j(dp, s.draft, dataclasses.replace(s, draft=None)),
         lambda p, s, t, par, q: verify_j(p, s.cache, bare(s), t, par, q),
-        lambda s, cache, d, t, r, par=None: commit_j(bare(s), cache, d, t, r, par),
+        lambda s, cache, d, t, r, par=None, lp=None: commit_j(bare(s), cache, d, t, r, par, lp),
         lambda dp, old, new, t, r, f: dataclasses.replace(new, draft=observe_j(dp, new.draft, bare(old), t, r, f)),
     )
