@@ -53,6 +53,10 @@ class EngineSection:
     # Which distribution log-probabilities report (vLLM's logprobs_mode): "raw", the target's
     # log-softmax, or "processed", the one the request samples from (temperature, top-k, top-p).
     logprobs_mode: str = "raw"
+    # Target weights: "none" (as loaded) or "int8": weight-only int8 with a float32 scale per output
+    # column, quantized at load, every matrix and the LM head (the embedding lookup stays float32);
+    # the native CPU kernels widen them in registers (jaxspec/native/packed_matmul.py).
+    quantize: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +186,7 @@ class Config:
             (e.layer_loop in ("auto", "scan", "unrolled"), "engine.layer_loop must be auto, scan or unrolled"),
             (e.cpu_kernels in ("auto", "native", "xla"), "engine.cpu_kernels must be auto, native or xla"),
             (e.logprobs_mode in ("raw", "processed"), "engine.logprobs_mode must be raw or processed"),
+            (e.quantize in ("none", "int8"), "engine.quantize must be none or int8"),
             # Page 0 is the null page: one page leaves nothing to allocate.
             (e.num_pages == 0 or e.num_pages >= 2, "engine.num_pages must be 0 (automatic) or >= 2"),
             (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),

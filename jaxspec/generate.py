@@ -29,6 +29,7 @@ FLAG_KEYS = {
     "batch_size": "engine.max_batch_size",
     "max_context": "engine.max_context",
     "logprobs_mode": "engine.logprobs_mode",
+    "quantize": "engine.quantize",
     "max_new_tokens": "sampling.max_new_tokens",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
@@ -55,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs-mode", choices=["raw", "processed"],
                    help="log-probabilities of the target's raw distribution (default) or of the one each "
                         "request samples from (temperature, top-k, top-p)")
+    p.add_argument("--quantize", choices=["none", "int8"],
+                   help="target weights: as loaded (default) or weight-only int8, quantized at load (native CPU "
+                        "kernels, float32 activations)")
 
 
 def section_flags(section_cls) -> dict[str, tuple[str, dict]]:

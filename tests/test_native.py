@@ -59,7 +59,7 @@ def test_packed_matmul_leading_axes_and_stacked_weights():
         packed_matmul(x, pw)
     with pytest.raises(ValueError, match="last axis"):
         packed_matmul(x[..., :5], layer1)
-    with pytest.raises(TypeError, match="float32 only"):
+    with pytest.raises(TypeError, match="float32 x and float32 or int8"):
         packed_matmul(x.astype(jnp.bfloat16), layer1)
 
 

@@ -107,6 +107,33 @@ def llama_cpp_rows(model_spec: str, prompts, n: int, reps: int, threads: int, ja
     return rows, notes
 
 
+def greedy_ids(engine, prompts, max_new_tokens: int) -> list[list[int]]:
+    from jaxspec.engine import Request
+    from jaxspec.sampling_params import SamplingParams
+
+    return [r.output_ids for r in engine.generate([Request(p, SamplingParams(max_tokens=max_new_tokens))
+                                                   for p in prompts])]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
+    """(the mean share of each sequence before its first differing token, sequences equal throughout)."""
+    shares, same = [], 0
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        shares.append(n / max(len(x), 1))
+        same += x == y
+    return float(np.mean(shares)), same
+
+
+def streamed_bytes(runtime_params) -> int:
+    """Bytes a batch-1 decode step reads from the runtime params: every matrix and the LM head (packed:
+    int8 + scales, or float32) and the norms; of the embedding, one row."""
+    embed = runtime_params["embed"]
+    rest = {k: v for k, v in runtime_params.items() if k != "embed"}
+    leaves = jax.tree.leaves(rest, is_leaf=lambda x: hasattr(x, "n_out"))
+    return sum(x.nbytes for x in leaves) + embed.shape[-1] * embed.dtype.itemsize
+
+
 def load_note() -> str:
     """The 1-minute load average (taken before the benchmark starts) beside the core count:
     other work on the cores skews every figure, llama.cpp's spinning OpenMP threads most."""
@@ -140,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: every core this process may use)")
     p.add_argument("--no-sampled", action="store_true", help="skip the sampled rows (temperature, top-k, top-p)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="int8",
+                   help="also time the target quantized this way (weight-only int8; none: skip), side by side")
     args = p.parse_args(argv)
     load = load_note()
 
@@ -155,6 +184,10 @@ def main(argv=None) -> int:
     if jax.default_backend() == "cpu" and engine.runner.native_kernels:
         xla_engine = Engine(model.params, model.config,
                             EngineSection(max_batch_size=8, max_context=512, cpu_kernels="xla"), progress=True)
+    quant = None
+    if args.quantize != "none" and engine.runner.native_kernels:
+        quant = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512,
+                                                                 quantize=args.quantize), progress=True)
     weight_bytes = param_bytes(model.params)
     bandwidth = measure_bandwidths()
     bw = bandwidth.roofline
@@ -173,6 +206,14 @@ def main(argv=None) -> int:
     if xla_engine is not None:
         x1, xs1 = jaxspec_tps(xla_engine, prompts[: args.batch_one_prompts], n, 1, args.reps)
         x8, xs8 = jaxspec_tps(xla_engine, prompts[:8], n, 8, args.reps)
+    quant_rows = []
+    if quant is not None:
+        q1, qs1 = jaxspec_tps(quant, prompts[: args.batch_one_prompts], n, 1, args.reps)
+        q8, qs8 = jaxspec_tps(quant, prompts[:8], n, 8, args.reps)
+        share, same = agreement(greedy_ids(engine, prompts[:8], n), greedy_ids(quant, prompts[:8], n))
+        qroof = bw / streamed_bytes(quant.runner.params)
+        quant_rows = [[1, q1, q1 / j1, qs1, qroof, f"{100 * q1 / qroof:.0f}%"],
+                      [8, q8, q8 / j8, qs8, 8 * qroof, f"{100 * q8 / (8 * qroof):.0f}%"]]
     h1 = h8 = float("nan")
     if not args.no_hf:
         import torch
@@ -207,6 +248,15 @@ def main(argv=None) -> int:
         print("\nthe same engine on XLA's own CPU ops (engine.cpu_kernels = xla):")
         print_table(["batch", "tok/s", "ms per step", "native kernels / XLA ops"],
                     [[1, x1, xs1, j1 / x1], [8, x8, xs8, j8 / x8]])
+    if quant_rows:
+        print(f"\nthe target in weight-only {args.quantize} (engine.quantize; {streamed_bytes(quant.runner.params) / 2**20:.0f} "
+              f"MiB read per batch-1 step), side by side with float32:")
+        print_table(["batch", "tok/s", "vs float32", "ms per step", "roofline tok/s (quantized bytes)", "of roofline"],
+                    quant_rows)
+        for row in llama_rows:
+            print(f"{args.quantize} batch 1 / llama.cpp {row[0]}: {quant_rows[0][1] / row[2]:.2f}x")
+        print(f"greedy agreement with float32 over {min(8, len(prompts))} chat prompts x {n} tokens: {100 * share:.0f}% "
+              f"of each sequence before its first differing token (mean); {same} sequences identical")
     print_llama_cpp(llama_rows, llama_notes, n)
     ratio = lambda a, b: "n/a" if a != a or b != b else f"{a / b:.2f}x"  # noqa: E731 (NaN: not run)
     print(f"\nbatch-8 / batch-1 throughput: jaxspec {j8 / j1:.2f}x, jaxspec on XLA ops {ratio(x8, x1)}, "

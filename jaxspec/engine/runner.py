@@ -101,8 +101,17 @@ class ModelRunner:
         params, cfg, self.padding = self._pad_for_mesh(params, cfg, "model")
         self._unstack = None if engine_cfg.layer_loop == "auto" else engine_cfg.layer_loop == "unrolled"
         self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
-        self.params = shd.shard_params(prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels),
-                                       cfg, mesh)
+        try:
+            runtime = prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels,
+                                     quantize=engine_cfg.quantize)
+        except ValueError as e:
+            raise RequestError(f"engine.quantize: {e}") from None
+        self.params = shd.shard_params(runtime, cfg, mesh)
+        if engine_cfg.quantize != "none" and progress:  # what runs, said once at start-up
+            mb = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(
+                runtime, is_leaf=lambda x: hasattr(x, "n_out"))) / 2**20
+            print(f"jaxspec: target weights {engine_cfg.quantize} (weight-only, a float32 scale per output column, "
+                  f"native CPU kernels): {mb:.0f} MiB", file=sys.stderr)
         self.cfg, self.ecfg = cfg, engine_cfg
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.page_size = engine_cfg.page_size

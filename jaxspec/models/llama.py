@@ -176,7 +176,8 @@ def default_unstack() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = None, native: bool = False) -> dict:
+def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = None, native: bool = False,
+                   quantize: str = "none") -> dict:
     """Loaded (Hugging Face layout, stacked) params -> the runtime layout `forward` reads.
 
     * Matrices become [in, out] and the LM head a separate `head` [hidden, vocab]
@@ -193,25 +194,30 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
       native matmul, so a verify block or batch of up to ~8 rows costs about one
       row's weight traffic; packed weights also route short-block attention to
       the native paged-attention kernel (`_attention_block`).
+    * With `quantize = "int8"` (native only) those packed matrices and the LM head are weight-only
+      int8 with a float32 scale per output column (`native.packed_matmul.quantize_int8`).
     """
     if "head" in params:
         return params
     unstack = default_unstack() if unstack is None else unstack
+    if quantize != "none" and not native:
+        raise ValueError(f"quantize = {quantize!r} runs on the native CPU kernels only (a float32 model on one CPU "
+                         "device); int8 on XLA's own dot (TPU, GPU, a mesh) is not built")
     # One jitted program, not ~600 eager ops (swaps, pads, 30 x 9 layer slices): 4.5 s of every
     # CLI start went to dispatching them; the program comes from the persistent compilation cache.
-    return _prepare(params, cfg.tie_word_embeddings, cfg.num_layers, unstack, native)
+    return _prepare(params, cfg.tie_word_embeddings, cfg.num_layers, unstack, native, quantize == "int8")
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bool) -> dict:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bool, int8: bool) -> dict:
     layers = {k: (jnp.swapaxes(v, -1, -2) if k in MATRICES else v) for k, v in params["layers"].items()}
     head = params["embed"] if tie else params["lm_head"]
     out = {"embed": params["embed"], "final_norm": params["final_norm"], "head": jnp.asarray(head.T)}
     if native:
         from jaxspec.native.packed_matmul import pack_weight
 
-        layers = {k: (pack_weight(v) if k in MATRICES else v) for k, v in layers.items()}
-        out["head"] = pack_weight(out["head"])
+        layers = {k: (pack_weight(v, int8) if k in MATRICES else v) for k, v in layers.items()}
+        out["head"] = pack_weight(out["head"], int8)
     if unstack:
         out["layers"] = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
     else:

@@ -27,9 +27,10 @@ import jaxlib
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "packed_matmul.cc", HERE / "paged_attention.cc")
-HEADERS = (HERE / "parallel.h",)
+HEADERS = (HERE / "parallel.h", HERE / "tile_gemm.h")
 # custom-call target -> exported handler symbol
-TARGETS = {"jaxspec_packed_matmul": "JaxspecPackedMatmul", "jaxspec_paged_attention": "JaxspecPagedAttention"}
+TARGETS = {"jaxspec_packed_matmul": "JaxspecPackedMatmul", "jaxspec_packed_matmul_i8": "JaxspecPackedMatmulI8",
+           "jaxspec_paged_attention": "JaxspecPagedAttention"}
 
 
 class NativeKernelError(RuntimeError):

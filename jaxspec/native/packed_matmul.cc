@@ -1,5 +1,6 @@
 // y[M, N] = x[M, K] @ W[K, N] in float32 for XLA:CPU, with W pre-packed as
-// column tiles `w[N/64, K, 64]` (see packed_matmul.py).
+// column tiles `w[N/64, K, 64]` (see packed_matmul.py): float32, or weight-only
+// int8 with a float32 scale per output column (a quarter of the bytes to stream).
 //
 // Why this exists: XLA:CPU runs a 1-row dot as a bandwidth-bound matvec but
 // switches to an Eigen GEMM for 2..64 rows that repacks the weights on every
@@ -27,39 +28,53 @@ using jaxspec::kTile;
 using jaxspec::tile_rows;
 
 // One 64-column tile for all M rows; the last tile may be partial.
-void run_tile(const float* x, const float* w, float* y, int64_t t, int64_t M, int64_t K, int64_t N) {
-  const float* tile = w + t * K * kTile;
+template <typename W>
+void run_tile(const float* x, const W* w, const float* scales, float* y, int64_t t, int64_t M, int64_t K,
+              int64_t N) {
+  const W* tile = w + t * K * kTile;
   const int64_t col = t * kTile;
+  const float* scale = scales == nullptr ? nullptr : scales + col;
   if (col + kTile <= N) {
-    tile_rows(x, tile, y + col, M, K, N);
+    tile_rows(x, tile, scale, y + col, M, K, N);
     return;
   }
   // Compute into a full-width scratch, keep the valid columns.
   std::vector<float> scratch(static_cast<size_t>(M) * kTile);
-  tile_rows(x, tile, scratch.data(), M, K, kTile);
+  tile_rows(x, tile, scale, scratch.data(), M, K, kTile);
   for (int64_t r = 0; r < M; ++r)
     std::memcpy(y + r * N + col, scratch.data() + r * kTile, sizeof(float) * (N - col));
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                            ffi::ResultBuffer<ffi::F32> y, int64_t n_out) {
-  const auto wd = w.dimensions();
+// Shapes checked, then every tile over the pool; scales: [tiles * 64] or nullptr (float32 W).
+template <typename W>
+ffi::Error Run(ffi::ThreadPool& pool, const float* xd, size_t x_count, const W* wdata,
+               ffi::Span<const int64_t> wd, const float* scales, float* yd, size_t y_count, int64_t n_out) {
   if (wd.size() != 3 || wd[2] != kTile) return ffi::Error::InvalidArgument("packed weight must be [tiles, K, 64]");
   const int64_t tiles = wd[0], K = wd[1];
-  if (K <= 0 || x.element_count() % K != 0) return ffi::Error::InvalidArgument("x's last axis must equal K");
+  if (K <= 0 || x_count % K != 0) return ffi::Error::InvalidArgument("x's last axis must equal K");
   if (n_out <= (tiles - 1) * kTile || n_out > tiles * kTile)
     return ffi::Error::InvalidArgument("n_out does not match the number of packed tiles");
-  const int64_t M = static_cast<int64_t>(x.element_count()) / K;
-  if (static_cast<int64_t>(y->element_count()) != M * n_out)
-    return ffi::Error::InvalidArgument("output must be [M, n_out]");
+  const int64_t M = static_cast<int64_t>(x_count) / K;
+  if (static_cast<int64_t>(y_count) != M * n_out) return ffi::Error::InvalidArgument("output must be [M, n_out]");
   if (M == 0) return ffi::Error::Success();
-
-  const float* xd = x.typed_data();
-  const float* wdata = w.typed_data();
-  float* yd = y->typed_data();
   // A few chunks per thread, so a thread that starts late still finds work.
-  jaxspec::parallel_for(pool, tiles, 4, [&](int64_t t) { run_tile(xd, wdata, yd, t, M, K, n_out); });
+  jaxspec::parallel_for(pool, tiles, 4, [&](int64_t t) { run_tile(xd, wdata, scales, yd, t, M, K, n_out); });
   return ffi::Error::Success();
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t n_out) {
+  return Run(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions(), nullptr, y->typed_data(),
+             y->element_count(), n_out);
+}
+
+ffi::Error PackedMatmulI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                              ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int64_t n_out) {
+  const auto wd = w.dimensions();
+  if (wd.size() == 3 && static_cast<int64_t>(scales.element_count()) != wd[0] * kTile)
+    return ffi::Error::InvalidArgument("scales must be [tiles * 64]");
+  return Run(pool, x.typed_data(), x.element_count(), w.typed_data(), wd, scales.typed_data(), y->typed_data(),
+             y->element_count(), n_out);
 }
 
 }  // namespace
@@ -69,5 +84,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPackedMatmul, PackedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [tiles, K, 64]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [..., n_out]
+                                  .Attr<int64_t>("n_out"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPackedMatmulI8, PackedMatmulI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [tiles, K, 64] int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [tiles * 64]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., n_out]
                                   .Attr<int64_t>("n_out"));

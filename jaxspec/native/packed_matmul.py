@@ -1,10 +1,13 @@
-"""Packed-weight float32 matmul for XLA:CPU: the FFI kernel (packed_matmul.cc) beside its jnp reference.
+"""Packed-weight matmul for XLA:CPU: the FFI kernel (packed_matmul.cc) beside its jnp reference.
 
 Built and registered by `jaxspec.native.build`.
 
 Layout: a weight [K, N] (the runtime [in, out] layout) becomes `PackedWeight`
 with `tiles` [ceil(N/64), K, 64], zero-padded, so each 64-column tile is one
-contiguous stream (see packed_matmul.cc for why that matters).
+contiguous stream (see packed_matmul.cc for why that matters). Weight-only int8
+(`quantize_int8`): int8 tiles and a float32 scale per output column (symmetric,
+max |w| over the column / 127): the kernel widens the weights in registers, so a
+decode step streams a quarter of float32's bytes; activations stay float32.
 """
 
 from __future__ import annotations
@@ -19,15 +22,17 @@ from jaxspec.native.build import ensure_registered
 
 TILE = 64
 TARGET = "jaxspec_packed_matmul"
+TARGET_I8 = "jaxspec_packed_matmul_i8"
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A [K, N] float32 weight as column tiles, for `packed_matmul`."""
+    """A [K, N] weight as column tiles, for `packed_matmul`: float32, or int8 with `scales`."""
 
-    tiles: jax.Array  # [..., ceil(N/64), K, 64] float32 (leading axes: stacked layers)
+    tiles: jax.Array  # [..., ceil(N/64), K, 64] float32 or int8 (leading axes: stacked layers)
     n_out: int = dataclasses.field(metadata=dict(static=True))
+    scales: jax.Array | None = None  # [..., ceil(N/64) * 64] float32 per output column (int8 tiles)
 
     @property
     def shape(self) -> tuple[int, ...]:  # the logical [..., K, N]
@@ -39,22 +44,43 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.tiles.nbytes
+        return self.tiles.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+def quantize_int8(
+    w: jax.Array,  # [..., K, N] float32
+) -> tuple[jax.Array, jax.Array]:  # ([..., K, N] int8, [..., N] float32)
+    """Symmetric per-output-column int8: q = round(w / s), s = max |w[:, n]| / 127 (1 for a zero column)."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-2)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w / scale[..., None, :]), -127, 127).astype(jnp.int8)
+    return q, scale
 
 
 def pack_weight(
     w: jax.Array,  # [..., K, N] float32
+    int8: bool = False,
 ) -> PackedWeight:
     *lead, k, n = w.shape
     tiles = -(-n // TILE)
     pad = [(0, 0)] * (len(lead) + 1) + [(0, tiles * TILE - n)]
-    padded = jnp.pad(jnp.asarray(w, jnp.float32), pad).reshape(*lead, k, tiles, TILE)
-    return PackedWeight(tiles=jnp.swapaxes(padded, -3, -2), n_out=n)
+    scales = None
+    if int8:
+        w, scales = quantize_int8(w)
+        scales = jnp.pad(scales, pad[1:], constant_values=1.0)
+    else:
+        w = jnp.asarray(w, jnp.float32)
+    padded = jnp.pad(w, pad).reshape(*lead, k, tiles, TILE)
+    return PackedWeight(tiles=jnp.swapaxes(padded, -3, -2), n_out=n, scales=scales)
 
 
-def unpack_weight(pw: PackedWeight) -> jax.Array:  # [..., K, N]
+def unpack_weight(pw: PackedWeight) -> jax.Array:  # [..., K, N] float32 (int8 dequantized)
     *lead, t, k, _ = pw.tiles.shape
-    return jnp.swapaxes(pw.tiles, -3, -2).reshape(*lead, k, t * TILE)[..., : pw.n_out]
+    w = jnp.swapaxes(pw.tiles, -3, -2).reshape(*lead, k, t * TILE)
+    if pw.scales is not None:
+        w = w.astype(jnp.float32) * pw.scales[..., None, :]
+    return w[..., : pw.n_out]
 
 
 def packed_matmul_ref(
@@ -71,11 +97,15 @@ def packed_matmul(
 ) -> jax.Array:  # [..., N] float32
     """x @ W through the FFI kernel (built and registered on first trace)."""
     ensure_registered()
-    if x.dtype != jnp.float32 or pw.tiles.dtype != jnp.float32:
-        raise TypeError(f"packed_matmul is float32 only, got x {x.dtype} and weight {pw.tiles.dtype}")
+    int8 = pw.scales is not None
+    if x.dtype != jnp.float32 or pw.tiles.dtype != (jnp.int8 if int8 else jnp.float32):
+        raise TypeError(f"packed_matmul takes float32 x and float32 or int8 (with scales) weights, got x {x.dtype} "
+                        f"and weight {pw.tiles.dtype}")
     if pw.tiles.ndim != 3:
         raise ValueError(f"packed_matmul takes one layer's weight [tiles, K, 64], got {pw.tiles.shape}")
     if x.shape[-1] != pw.tiles.shape[1]:
         raise ValueError(f"x's last axis {x.shape[-1]} != the weight's K {pw.tiles.shape[1]}")
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (pw.n_out,), jnp.float32)
+    if int8:
+        return jax.ffi.ffi_call(TARGET_I8, out)(x, pw.tiles, pw.scales, n_out=np.int64(pw.n_out))
     return jax.ffi.ffi_call(TARGET, out)(x, pw.tiles, n_out=np.int64(pw.n_out))

@@ -129,7 +129,7 @@ void attend(const Dims& d, const float* q, const float* cache_k, const float* ca
   // 2. Logits [rows, S64].
   logits.resize(static_cast<size_t>(rows) * S64);
   for (int64_t c = 0; c < S64 / kTile; ++c)
-    tile_rows(qloc.data(), kt.data() + c * d.hd * kTile, logits.data() + c * kTile, rows, d.hd, S64);
+    tile_rows(qloc.data(), kt.data() + c * d.hd * kTile, nullptr, logits.data() + c * kTile, rows, d.hd, S64);
   // 3. Masked softmax in place; invisible and padded slots get exactly 0. The
   // prefix [0, qs) is visible to every row, so only the block's T slots need the mask.
   std::vector<float> inv_sum(rows, 0.f);
@@ -158,7 +158,7 @@ void attend(const Dims& d, const float* q, const float* cache_k, const float* ca
   // 4. Weighted values [rows, hd64], normalised on the way out.
   acc.resize(static_cast<size_t>(rows) * hd64);
   for (int64_t c = 0; c < hd64 / kTile; ++c)
-    tile_rows(logits.data(), vt.data() + c * S64 * kTile, acc.data() + c * kTile, rows, S64, hd64);
+    tile_rows(logits.data(), vt.data() + c * S64 * kTile, nullptr, acc.data() + c * kTile, rows, S64, hd64);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0; g < d.group; ++g) {
       const int64_t r = (t - t0) * d.group + g;

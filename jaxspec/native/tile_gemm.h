@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace jaxspec {
 
@@ -22,13 +25,34 @@ inline v16 load(const float* p) {
 
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// R rows of x (stride K) times one tile [K, 64] -> R rows of y (stride ldy).
-template <int R>
-void micro(const float* x, const float* tile, float* y, int64_t K, int64_t ldy) {
+// Weight-only int8: 16 weights widened to floats in registers, so the stream from memory is a
+// quarter of float32's; the per-column scale is applied once to the finished sums. Intrinsics:
+// GCC 12 lowers __builtin_convertvector(int8 x 16 -> float x 16) to 16 scalar conversions.
+inline v16 load(const int8_t* p) {
+  v16 v;
+#if defined(__AVX512F__)
+  const __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &r, sizeof(v));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi =
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return v;
+}
+
+// R rows of x (stride K) times one tile [K, 64] of W (float or int8) -> R rows of y (stride ldy),
+// each column times scale[c] when scale is given.
+template <int R, typename W>
+void micro(const float* x, const W* tile, const float* scale, float* y, int64_t K, int64_t ldy) {
   v16 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = v16{};
-  const float* wp = tile;
+  const W* wp = tile;
   for (int64_t k = 0; k < K; ++k, wp += kTile) {
     const v16 w0 = load(wp), w1 = load(wp + 16), w2 = load(wp + 32), w3 = load(wp + 48);
     for (int r = 0; r < R; ++r) {
@@ -39,24 +63,31 @@ void micro(const float* x, const float* tile, float* y, int64_t K, int64_t ldy) 
       acc[r][3] += s * w3;
     }
   }
+  if (scale != nullptr)
+    for (int v = 0; v < 4; ++v) {
+      const v16 sv = load(scale + 16 * v);
+      for (int r = 0; r < R; ++r) acc[r][v] *= sv;
+    }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) store(y + r * ldy + 16 * v, acc[r][v]);
 }
 
-// All M rows against one tile; y points at the tile's first column.
-inline void tile_rows(const float* x, const float* tile, float* y, int64_t M, int64_t K, int64_t ldy) {
+// All M rows against one tile; y points at the tile's first column, scale (or nullptr) at its scales.
+template <typename W>
+inline void tile_rows(const float* x, const W* tile, const float* scale, float* y, int64_t M, int64_t K,
+                      int64_t ldy) {
   int64_t r = 0;
-  for (; r + kRowBlock <= M; r += kRowBlock) micro<kRowBlock>(x + r * K, tile, y + r * ldy, K, ldy);
+  for (; r + kRowBlock <= M; r += kRowBlock) micro<kRowBlock>(x + r * K, tile, scale, y + r * ldy, K, ldy);
   const float* xr = x + r * K;
   float* yr = y + r * ldy;
   switch (M - r) {
-    case 1: micro<1>(xr, tile, yr, K, ldy); break;
-    case 2: micro<2>(xr, tile, yr, K, ldy); break;
-    case 3: micro<3>(xr, tile, yr, K, ldy); break;
-    case 4: micro<4>(xr, tile, yr, K, ldy); break;
-    case 5: micro<5>(xr, tile, yr, K, ldy); break;
-    case 6: micro<6>(xr, tile, yr, K, ldy); break;
-    case 7: micro<7>(xr, tile, yr, K, ldy); break;
+    case 1: micro<1>(xr, tile, scale, yr, K, ldy); break;
+    case 2: micro<2>(xr, tile, scale, yr, K, ldy); break;
+    case 3: micro<3>(xr, tile, scale, yr, K, ldy); break;
+    case 4: micro<4>(xr, tile, scale, yr, K, ldy); break;
+    case 5: micro<5>(xr, tile, scale, yr, K, ldy); break;
+    case 6: micro<6>(xr, tile, scale, yr, K, ldy); break;
+    case 7: micro<7>(xr, tile, scale, yr, K, ldy); break;
     default: break;
   }
 }

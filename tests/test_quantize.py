@@ -1,0 +1,110 @@
+"""Weight-only int8 (issue 29, first part): the native kernel against a numpy dequantize-then-matmul,
+the engine against Hugging Face running the same dequantized weights, speculation against plain
+decoding on the quantized target, and the refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxspec import LLM, SamplingParams
+from jaxspec.native.packed_matmul import pack_weight, packed_matmul, packed_matmul_ref, quantize_int8
+
+ENGINE = dict(max_batch_size=2, max_context=128, length_buckets=(16, 32, 64, 128), page_size=8)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (8, 64, 128), (13, 70, 130), (3, 5, 7), (9, 32, 200)])
+def test_int8_kernel_equals_numpy_dequantized_matmul(m, k, n):
+    rng = np.random.default_rng(m * 100 + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, 1] = 0.0  # a zero column: scale 1, weights 0
+    q, scale = (np.asarray(a) for a in quantize_int8(w))
+    assert q.dtype == np.int8 and np.abs(q).max() <= 127 and scale[1] == 1.0
+    assert np.all(np.abs(q.astype(np.float32) * scale - w) <= scale / 2 + 1e-6)  # round to nearest
+    deq = q.astype(np.float64) * scale
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    pw = pack_weight(w, int8=True)
+    assert pw.tiles.dtype == jnp.int8 and pw.shape == (k, n) and pw.tiles.nbytes == pw.tiles.size  # a byte each
+    got = np.asarray(jax.jit(packed_matmul)(x, pw))
+    tol = 1e-5 * np.sqrt(k) * np.abs(deq).max() * np.abs(x).max()
+    np.testing.assert_allclose(got, x @ deq, rtol=1e-5, atol=tol)
+    np.testing.assert_allclose(np.asarray(packed_matmul_ref(x, pw)), x @ deq, rtol=1e-5, atol=tol)
+
+
+def test_int8_kernel_rows_are_batch_invariant():
+    """Verify blocks (T rows) and plain decode (1 row) see bit-identical results, as in float32."""
+    rng = np.random.default_rng(2)
+    pw = pack_weight(rng.standard_normal((300, 150)).astype(np.float32), int8=True)
+    x = jnp.asarray(rng.standard_normal((19, 300)).astype(np.float32))
+    full = np.asarray(jax.jit(packed_matmul)(x, pw))
+    for m in (1, 2, 7, 8, 9):
+        for start in (0, 3, 19 - m):
+            np.testing.assert_array_equal(np.asarray(jax.jit(packed_matmul)(x[start:start + m], pw)),
+                                          full[start:start + m])
+
+
+def dequantized_hf(hf):
+    """A copy of `hf` whose every Linear (the LM head included, untied from the embedding) holds the
+    int8-dequantized weight the engine computes with: the reference for exactness."""
+    import copy
+
+    ref = copy.deepcopy(hf)
+    for name, mod in ref.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            w = mod.weight.detach().numpy().T  # runtime [in, out]: a scale per output column
+            q, scale = (np.asarray(a) for a in quantize_int8(w))
+            mod.weight = torch.nn.Parameter(torch.from_numpy((q.astype(np.float32) * scale).T.copy()))
+    return ref
+
+
+@pytest.fixture(scope="module")
+def int8_llms(tiny_dirs):
+    path, hf = tiny_dirs["llama"]
+    return hf, {name: LLM(str(path), spec=spec, quantize="int8", progress=False, **ENGINE)
+                for name, spec in ((None, None), ("ngram", {"algorithm": "ngram", "adaptive": "off"}))}
+
+
+def test_int8_engine_equals_hf_on_dequantized_weights(int8_llms):
+    from tests.reference import assert_greedy_equal, hf_greedy
+
+    hf, llms = int8_llms
+    ref = dequantized_hf(hf)
+    prompts = [[5, 17, 33, 9, 100, 42, 7], [200, 3]]
+    outs = llms[None].generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_equal(ref, prompt, out.outputs[0].token_ids, hf_greedy(ref, prompt, 16))
+    # Positive control: the float32 model is a different reference (int8 moved the logits).
+    with torch.no_grad():
+        a = hf(torch.tensor([prompts[0]])).logits[0, -1].numpy()
+        b = ref(torch.tensor([prompts[0]])).logits[0, -1].numpy()
+    assert np.abs(a - b).max() > 1e-4
+
+
+def test_int8_speculation_equals_plain(int8_llms, tiny_dirs, tmp_path):
+    """Exact on quantized weights: n-gram and an EAGLE-3 tree (its shared LM head int8 too) give plain
+    int8 decoding's tokens, at batch 2."""
+    from tests.heads_fixtures import write_eagle3_head
+
+    path, hf = tiny_dirs["llama"]
+    _, llms = int8_llms
+    head = write_eagle3_head(tmp_path / "e3", hf, layer_ids=[0, 1, 1], convention="input")
+    tree = LLM(str(path), spec={"algorithm": "eagle3", "topk": 2, "num_steps": 2, "num_draft_tokens": 5,
+                                "adaptive": "off"}, draft_model=str(head), quantize="int8", progress=False, **ENGINE)
+    prompts = [[5, 17, 33, 9, 5, 17, 33, 9, 5], [11, 12, 13, 11, 12, 13, 11]]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llms[None].generate(prompts, sp)]
+    for llm in (llms["ngram"], tree):
+        outs = llm.generate(prompts, sp)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert all(o.outputs[0].accept_lengths for o in outs)  # the drafter ran
+
+
+def test_quantize_refusals(tiny_dirs):
+    path, _ = tiny_dirs["llama"]
+    with pytest.raises(ValueError, match="engine.quantize must be none or int8"):
+        LLM(str(path), quantize="int4", progress=False, **ENGINE)
+    with pytest.raises(ValueError, match="engine.quantize: .*native CPU kernels only"):
+        LLM(str(path), quantize="int8", cpu_kernels="xla", progress=False, **ENGINE)
