@@ -108,3 +108,15 @@ def test_quantize_refusals(tiny_dirs):
         LLM(str(path), quantize="int4", progress=False, **ENGINE)
     with pytest.raises(ValueError, match="engine.quantize: .*native CPU kernels only"):
         LLM(str(path), quantize="int8", cpu_kernels="xla", progress=False, **ENGINE)
+
+
+def test_bench_decode_helpers(int8_llms, tiny_dirs):
+    """`bench decode --quantize`'s measures: the bytes a step streams (int8 about a quarter of float32's)
+    and the greedy agreement it reports."""
+    from jaxspec.bench.decode import agreement, streamed_bytes
+
+    path, _ = tiny_dirs["llama"]
+    f32 = LLM(str(path), progress=False, **ENGINE)
+    ratio = streamed_bytes(int8_llms[1][None].engine.runner.params) / streamed_bytes(f32.engine.runner.params)
+    assert 0.2 < ratio < 0.4, ratio
+    assert agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == (0.75, 1)
