@@ -211,6 +211,14 @@ def test_server_streams_logprobs(served, chat_model_dir):
     np.testing.assert_allclose(lps, [ref[len(ids) + j - 1, t] for j, t in enumerate(gen)], atol=2e-4)
     assert offsets == np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist()
     assert all(len(t) == 2 and math.isclose(max(t.values()), lp, abs_tol=2e-4) for t, lp in zip(tops, lps))
+    # echo streams too: each choice opens with its prompt's text and scores, then its tokens' offsets go on.
+    chunks = [ch.choices[0] for ch in c.completions.create(model=server.model_name, prompt=ids, max_tokens=3,
+                                                           temperature=0, logprobs=1, echo=True, stream=True)]
+    head = chunks[0].logprobs
+    assert chunks[0].text == tok.decode(ids) and head.token_logprobs[0] is None and head.top_logprobs[0] is None
+    np.testing.assert_allclose(head.token_logprobs[1:], [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=2e-4)
+    nxt = next(ch.logprobs for ch in chunks[1:] if ch.logprobs is not None)
+    assert nxt.tokens[0] == tok.decode([gen[0]]) and nxt.text_offset[0] == sum(len(t) for t in head.tokens)
     messages = [{"role": "user", "content": "Count: one two three"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
@@ -229,7 +237,6 @@ def test_server_streams_logprobs(served, chat_model_dir):
 
 @pytest.mark.parametrize("path, body, field", [
     ("completions", dict(prompt="hi", max_tokens=1, logprobs=21), "logprobs"),
-    ("completions", dict(prompt="hi", max_tokens=1, echo=True, stream=True), "echo"),
     ("completions", dict(prompt="hi", max_tokens=1, echo="yes"), "echo"),
     ("completions", dict(prompt="hi", max_tokens=1, top_logprobs=2), "top_logprobs"),
     ("chat/completions", dict(logprobs=1), "logprobs"),  # a boolean there

@@ -183,8 +183,7 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
         if p.stream:
             # The generator's `finally` cancels on disconnect, but a client gone before the first
             # chunk never starts it; the background task runs either way.
-            return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, p.include_usage,
-                                          p.logprobs is not None),
+            return StreamingResponse(_sse(server, kind, rid, seqs, stream, prompt_tokens, (parsed.prompts, p)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(_cancel_unfinished, server, seqs))
         return await _collect(server, request, kind, rid, seqs, stream, prompt_tokens, (parsed.prompts, p))
@@ -277,9 +276,12 @@ def _choice_logprobs(server: Server, kind: str, prompts: list[list[int]], p, tex
     return out_texts, (out_lps or None)
 
 
-async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, prompt_tokens: int, include_usage: bool,
-               logprobs: bool = False):
-    """The stream; with `logprobs`, each chunk carries its tokens' (as the loop recorded them)."""
+async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, prompt_tokens: int, request_of):
+    """The stream; request_of: (the prompts, the GenParams). With logprobs each chunk carries its
+    tokens' (as the loop recorded them); with echo each choice opens with its prompt (and the
+    prompt's logprobs, from one scoring forward)."""
+    prompts, p = request_of
+    logprobs = p.logprobs is not None
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -300,6 +302,16 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
         if kind == "chat":
             for i in range(len(seqs)):
                 yield sse(protocol.chunk(kind, rid, server.model_name, i, "", None, first=True))
+        for i, prompt in enumerate(prompts if p.echo else []):
+            scores = await asyncio.to_thread(server.scorer().score, prompt, p.logprobs, p) if logprobs else None
+            with server.scheduler.tokenizer_lock:
+                text = server.tokenizer.decode(prompt) if server.tokenizer is not None else ""
+                lp = None if scores is None else protocol.completion_logprobs(server.tokenizer, prompt, scores,
+                                                                              first_null=True)
+            for index in range(i * p.n, (i + 1) * p.n):
+                if lp is not None:
+                    offsets[index] = sum(len(t) for t in lp["tokens"])
+                yield sse(protocol.chunk(kind, rid, server.model_name, index, text, None, logprobs=lp))
         while open_choices:
             index, event = await stream.queue.get()
             completion_tokens += len(event.token_ids)
@@ -314,7 +326,7 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
                                          logprobs=lp))
             if event.finish_reason is not None:
                 open_choices.discard(index)
-        if include_usage:
+        if p.include_usage:
             yield sse(protocol.usage_chunk(kind, rid, server.model_name, prompt_tokens, completion_tokens))
         yield "data: [DONE]\n\n"
     finally:

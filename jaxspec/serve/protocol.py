@@ -164,8 +164,6 @@ def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None 
         if n_top is not None and not want:
             raise bad("top_logprobs", "needs logprobs: true")
         logprobs = (n_top or 0) if want else None
-    if echo and stream:  # the prompt is scored when the request ends (engine/scoring.py)
-        raise bad("echo", "is not supported with stream yet")
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise bad("best_of", "is not supported by this server")
