@@ -235,6 +235,66 @@ def test_server_streams_logprobs(served, chat_model_dir):
     assert all(e.top_logprobs[0].token == e.token for e in content)  # greedy: the top entry is the token
 
 
+def test_server_logprobs_under_an_eagle3_tree_at_batch_4(chat_model_dir, tmp_path):
+    """Through the server with a feature drafter's tree (EAGLE-3, top-k 2), four streamed chat requests
+    at once, sampled: each token's logprob is HF's over prompt + output, and the server speculated."""
+    import asyncio
+
+    import transformers as tf
+
+    from jaxspec.serve.app import create_app
+    from jaxspec.serve.launch import ServerThread
+    from jaxspec.serve.server import build_server
+    from tests.heads_fixtures import write_eagle3_head
+    from tests.serve_util import serve_config
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    head = write_eagle3_head(tmp_path / "e3", hf, layer_ids=[0, 1, 1], convention="input")
+    server = build_server(serve_config(chat_model_dir, **{
+        "spec.algorithm": "eagle3", "spec.draft_model": str(head), "spec.topk": 2, "spec.num_steps": 2,
+        "spec.num_draft_tokens": 5, "serve.adaptive": False}), progress=False)
+    thread = ServerThread(create_app(server)).start()
+    server.warm_up()
+    try:
+        import openai
+
+        c = openai.AsyncOpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0)
+        questions = ["Count: one two", "Name a colour", "Say hello", "List three fruits"]
+
+        async def one(q, seed):
+            content = []
+            stream = await c.chat.completions.create(
+                model=server.model_name, messages=[{"role": "user", "content": q}], max_tokens=12,
+                temperature=0.9, seed=seed, logprobs=True, stream=True)
+            async for ch in stream:
+                if ch.choices and ch.choices[0].logprobs is not None:
+                    content += ch.choices[0].logprobs.content
+            return content
+
+        async def all_four():
+            return await asyncio.gather(*(one(q, i) for i, q in enumerate(questions)))
+
+        results = asyncio.run(all_four())
+        tok = server.tokenizer
+        ids_of: dict[str, list[int]] = {}  # a token's text -> the ids that decode to it
+        for i, text in enumerate(tok.batch_decode([[i] for i in range(len(tok))])):
+            ids_of.setdefault(text, []).append(i)
+        for q, content in zip(questions, results):
+            assert len(content) == 12
+            prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True)
+            seq = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            for e in content:  # rebuild the ids: of the candidates, the one HF gives this logprob
+                ref = hf_logprobs(hf, seq)[-1]
+                cands = [t for t in ids_of[e.token] if abs(ref[t] - e.logprob) < 2e-4]
+                assert cands, (e.token, e.logprob, [ref[t] for t in ids_of[e.token]])
+                seq.append(cands[0])
+        assert server.scheduler.num_decode_calls > 0 and server.runner.speculative
+    finally:
+        thread.stop()
+        server.shutdown()
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("completions", dict(prompt="hi", max_tokens=1, logprobs=21), "logprobs"),
     ("completions", dict(prompt="hi", max_tokens=1, echo="yes"), "echo"),
