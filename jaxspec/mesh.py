@@ -128,13 +128,22 @@ def _layer_spec(name: str, ndim: int) -> P:
 
 
 def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """NamedSharding per leaf of runtime params (stacked [L, ...] or a per-layer list)."""
+    """NamedSharding per leaf of runtime params (stacked [L, ...] or a per-layer list). An int8
+    matrix (`layers.Int8Weight`) splits like its float one; its column scales follow the out dim."""
+    from jaxspec.models.layers import Int8Weight
+
     ns = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    layer = lambda lp: {k: ns(_layer_spec(k, v.ndim)) for k, v in lp.items()}  # noqa: E731
+
+    def matrix(spec: P, w):
+        if not isinstance(w, Int8Weight):
+            return ns(spec)
+        return Int8Weight(q=ns(spec), scale=ns(P(*spec[:-2], spec[-1])))
+
+    layer = lambda lp: {k: matrix(_layer_spec(k, getattr(v, "q", v).ndim), v) for k, v in lp.items()}  # noqa: E731
     layers = params["layers"]
     head_split = cfg.vocab_size % mesh.shape["model"] == 0
     out = {k: ns(P()) for k in params if k != "layers"}
-    out["head"] = ns(P(None, "model") if head_split else P())  # head [D, V]: logits split over vocab
+    out["head"] = matrix(P(None, "model") if head_split else P(None, None), params["head"])  # logits split over vocab
     out["layers"] = [layer(lp) for lp in layers] if isinstance(layers, (list, tuple)) else layer(layers)
     return out
 

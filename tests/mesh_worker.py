@@ -124,6 +124,29 @@ def engines_report(model) -> dict:
     return report
 
 
+def int8_report(model) -> dict:
+    """Weight-only int8 on XLA's dot (`layers.Int8Weight`) under a 4x2 mesh equals one device's."""
+    from jaxspec.config import EngineSection, SpecSection
+    from jaxspec.engine import Engine, Request
+    from jaxspec.mesh import make_mesh
+    from jaxspec.sampling_params import SamplingParams
+
+    reqs = [Request(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS]
+    out = {}
+    for mode, spec in (("plain", None), ("ngram", SpecSection(algorithm="ngram", num_draft_tokens=4))):
+        for shape in (None, "4x2"):
+            ecfg = EngineSection(max_batch_size=4, max_context=64, length_buckets=(16, 32, 64), page_size=4,
+                                 quantize="int8", cpu_kernels="xla")
+            engine = Engine(model.params, model.config, ecfg, progress=False, spec=spec,
+                            mesh=make_mesh(shape) if shape else None)
+            out[f"{mode}_{shape or 'single'}"] = [r.output_ids for r in engine.generate(reqs)]
+            if shape:
+                layers = engine.runner.params["layers"]
+                wq = (layers[0] if isinstance(layers, list) else layers)["wq"]
+                out["specs"] = [str(wq.q.sharding.spec), str(wq.scale.sharding.spec), str(wq.q.dtype)]
+    return out
+
+
 def standalone_report(model) -> dict:
     """The standalone drafter's own paged cache splits over "data" too: 4x2 equals one device."""
     from jaxspec.config import EngineSection, SpecSection
@@ -315,6 +338,7 @@ def main(out_path: str) -> None:
         model = load_model(str(tmp / "tiny"), progress=False)
         report["engines"] = engines_report(model)
         report["standalone"] = standalone_report(model)
+        report["int8"] = int8_report(model)
         report["kernel"] = kernel_report()
         report["cli"] = cli_report(tmp / "tiny", tmp)
         report["serve"] = serve_report(tmp / "tiny")

@@ -63,6 +63,15 @@ def test_params_and_cache_layouts(report):
     assert report["engines"]["plain"]["4x2_decode_all_reduce"], "row-split layers must all-reduce"
 
 
+def test_int8_under_mesh_equals_single_device(report):
+    """Weight-only int8 through XLA's dot: the column-split matrices keep their scales with their
+    columns, and 4x2 decodes what one device does, plain and speculative."""
+    rows = report["int8"]
+    assert rows["plain_4x2"] == rows["plain_single"] and rows["ngram_4x2"] == rows["ngram_single"]
+    assert rows["ngram_single"] == rows["plain_single"]
+    assert rows["specs"] == ["P(None, 'model')", "P('model',)", "int8"]
+
+
 def test_pages_split_over_data(report):
     """Each device holds 1/data of the page axis (one pool per data shard, each with its null page)."""
     for mode in ("plain", "ngram"):

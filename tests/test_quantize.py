@@ -102,12 +102,21 @@ def test_int8_speculation_equals_plain(int8_llms, tiny_dirs, tmp_path):
         assert all(o.outputs[0].accept_lengths for o in outs)  # the drafter ran
 
 
-def test_quantize_refusals(tiny_dirs):
-    path, _ = tiny_dirs["llama"]
+def test_int8_on_xla_ops_equals_hf_on_dequantized_weights(tiny_dirs):
+    """Without the native kernels (engine.cpu_kernels = xla: the TPU / GPU / mesh path), int8 runs as
+    `layers.Int8Weight` through XLA's dot, on the same dequantized weights; a bad value is refused."""
+    from jaxspec.models.layers import Int8Weight
+    from tests.reference import assert_greedy_equal, hf_greedy
+
+    path, hf = tiny_dirs["llama"]
+    llm = LLM(str(path), quantize="int8", cpu_kernels="xla", progress=False, **ENGINE)
+    assert isinstance(llm.engine.runner.params["head"], Int8Weight)
+    ref = dequantized_hf(hf)
+    prompt = [5, 17, 33, 9, 100, 42, 7]
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    assert_greedy_equal(ref, prompt, out, hf_greedy(ref, prompt, 16))
     with pytest.raises(ValueError, match="engine.quantize must be none or int8"):
         LLM(str(path), quantize="int4", progress=False, **ENGINE)
-    with pytest.raises(ValueError, match="engine.quantize: .*native CPU kernels only"):
-        LLM(str(path), quantize="int8", cpu_kernels="xla", progress=False, **ENGINE)
 
 
 def test_bench_decode_helpers(int8_llms, tiny_dirs):

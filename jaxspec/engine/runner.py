@@ -109,9 +109,10 @@ class ModelRunner:
         self.params = shd.shard_params(runtime, cfg, mesh)
         if engine_cfg.quantize != "none" and progress:  # what runs, said once at start-up
             mb = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(
-                runtime, is_leaf=lambda x: hasattr(x, "n_out"))) / 2**20
+                runtime, is_leaf=lambda x: hasattr(x, "n_out") or hasattr(x, "scale"))) / 2**20
+            how = "native CPU kernels" if self.native_kernels else "XLA's dot"
             print(f"jaxspec: target weights {engine_cfg.quantize} (weight-only, a float32 scale per output column, "
-                  f"native CPU kernels): {mb:.0f} MiB", file=sys.stderr)
+                  f"{how}): {mb:.0f} MiB", file=sys.stderr)
         self.cfg, self.ecfg = cfg, engine_cfg
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.page_size = engine_cfg.page_size

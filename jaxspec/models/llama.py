@@ -194,15 +194,13 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
       native matmul, so a verify block or batch of up to ~8 rows costs about one
       row's weight traffic; packed weights also route short-block attention to
       the native paged-attention kernel (`_attention_block`).
-    * With `quantize = "int8"` (native only) those packed matrices and the LM head are weight-only
-      int8 with a float32 scale per output column (`native.packed_matmul.quantize_int8`).
+    * With `quantize = "int8"` every matrix and the LM head are weight-only int8 with a float32
+      scale per output column (`native.packed_matmul.quantize_int8`): packed int8 tiles with
+      `native`, else `layers.Int8Weight` for XLA's dot.
     """
     if "head" in params:
         return params
     unstack = default_unstack() if unstack is None else unstack
-    if quantize != "none" and not native:
-        raise ValueError(f"quantize = {quantize!r} runs on the native CPU kernels only (a float32 model on one CPU "
-                         "device); int8 on XLA's own dot (TPU, GPU, a mesh) is not built")
     # One jitted program, not ~600 eager ops (swaps, pads, 30 x 9 layer slices): 4.5 s of every
     # CLI start went to dispatching them; the program comes from the persistent compilation cache.
     return _prepare(params, cfg.tie_word_embeddings, cfg.num_layers, unstack, native, quantize == "int8")
@@ -218,6 +216,11 @@ def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bo
 
         layers = {k: (pack_weight(v, int8) if k in MATRICES else v) for k, v in layers.items()}
         out["head"] = pack_weight(out["head"], int8)
+    elif int8:
+        from jaxspec.models.layers import Int8Weight
+
+        layers = {k: (Int8Weight.of(v) if k in MATRICES else v) for k, v in layers.items()}
+        out["head"] = Int8Weight.of(out["head"])
     if unstack:
         out["layers"] = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
     else:
