@@ -151,3 +151,20 @@ def test_sharded_tpu_lowering_puts_kernels_under_shard_map(tmp_path):
         if r["name"].startswith(("spec_", "serve_decode")):
             assert r["roles"]["verify"], r["name"]
             assert "manual_computation" in (tmp_path / f"{r['name']}.mlir").read_text(), r["name"]
+
+
+def test_int8_weights_reach_the_tpu_programs():
+    """`--quantize int8`: the lowered TPU prefill and decode read int8 weights (XLA's dot over
+    `layers.Int8Weight`), and float32 lowering reads none (the counter's negative control)."""
+    counts = {}
+    for q in ("none", "int8"):
+        args = lower.build_parser().parse_args(["--platform", "tpu", "--quantize", q, *ARGS])
+        model = lower.load(args)
+        rows = []
+        for name, trace in list(lower.engine_entry_points(model, args))[:2]:  # prefill, decode_plain
+            from jaxspec.pallas import lowering_for
+
+            with lowering_for("tpu"):
+                rows.append(lower.analyze(name, trace().lower(lowering_platforms=("tpu",)).as_text(), "tpu"))
+        counts[q] = [r["int8_ops"] for r in rows]
+    assert counts["none"] == [0, 0] and all(n > 0 for n in counts["int8"]), counts

@@ -82,6 +82,9 @@ def kernel_kind(target: str) -> str | None:
     return None
 
 
+_INT8_OP = re.compile(r"stablehlo\.(?:convert|dot_general)\b[^\n]*tensor<[0-9x]*xi8>")
+
+
 def analyze(name: str, text: str, platform: str) -> dict:
     """The report row of one lowered entry point, from its StableHLO text alone."""
     calls = collections.Counter(_CALL.findall(text))
@@ -101,6 +104,8 @@ def analyze(name: str, text: str, platform: str) -> dict:
         "platform_kernels": len(native),
         "roles": {role: any(key in n for n in native) for role, key in ROLES.items()},
         "hlo_ops": sum(ops.values()), "heavy_ops": {op: ops[op] for op in HEAVY_OPS if ops[op]},
+        # Weight-only int8 (--quantize int8): the ops reading an int8 tensor (the converts XLA fuses into its dots).
+        "int8_ops": len(_INT8_OP.findall(text)),
         "stablehlo_chars": len(text),
     }
 
@@ -111,7 +116,7 @@ def _engine_cfg(args):
     # Scan over stacked layers and XLA's own ops: the accelerator layout, whatever this host is.
     return EngineSection(max_batch_size=args.batch, batch_buckets=(args.batch,), max_context=args.context,
                          length_buckets=(args.prompt_len, args.context), page_size=args.page_size,
-                         layer_loop="scan", cpu_kernels="xla")
+                         layer_loop="scan", cpu_kernels="xla", quantize=args.quantize)
 
 
 def fresh_head(model, kind: str, **kw):
@@ -232,6 +237,9 @@ def print_report(rows: list[dict], platform: str) -> None:
     print()
     for line in role_summary(rows):
         print(line)
+    if any(r["int8_ops"] for r in rows):
+        print(f"int8 weights: read by {sum(r['int8_ops'] for r in rows)} converts / dots in "
+              f"{sum(bool(r['int8_ops']) for r in rows)} of {len(rows)} entry points")
     print("Lowered, not compiled or timed: the Triton / Mosaic compilers and XLA's backend did not run.")
 
 
@@ -260,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt / prefill-chunk bucket (default 32)")
     p.add_argument("--context", type=int, default=256, help="context bucket (default 256)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--quantize", default="none", choices=("none", "int8"),
+                   help="target weights as engine.quantize (int8: XLA's dot on int8 weights, layers.Int8Weight)")
     p.add_argument("--mesh", metavar="DPxTP", help="lower sharded over a data x model mesh of this host's devices "
                    "(e.g. 4x2 with XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     return p
