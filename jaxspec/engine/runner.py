@@ -101,15 +101,11 @@ class ModelRunner:
         params, cfg, self.padding = self._pad_for_mesh(params, cfg, "model")
         self._unstack = None if engine_cfg.layer_loop == "auto" else engine_cfg.layer_loop == "unrolled"
         self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
-        try:
-            runtime = prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels,
-                                     quantize=engine_cfg.quantize)
-        except ValueError as e:
-            raise RequestError(f"engine.quantize: {e}") from None
+        runtime = prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels,
+                                 quantize=engine_cfg.quantize)
         self.params = shd.shard_params(runtime, cfg, mesh)
         if engine_cfg.quantize != "none" and progress:  # what runs, said once at start-up
-            mb = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(
-                runtime, is_leaf=lambda x: hasattr(x, "n_out") or hasattr(x, "scale"))) / 2**20
+            mb = sum(x.nbytes for x in jax.tree.leaves(runtime)) / 2**20
             how = "native CPU kernels" if self.native_kernels else "XLA's dot"
             print(f"jaxspec: target weights {engine_cfg.quantize} (weight-only, a float32 scale per output column, "
                   f"{how}): {mb:.0f} MiB", file=sys.stderr)

@@ -282,6 +282,7 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
     prompt's logprobs, from one scoring forward)."""
     prompts, p = request_of
     logprobs = p.logprobs is not None
+
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
