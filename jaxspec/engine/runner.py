@@ -105,10 +105,9 @@ class ModelRunner:
                                  quantize=engine_cfg.quantize)
         self.params = shd.shard_params(runtime, cfg, mesh)
         if engine_cfg.quantize != "none" and progress:  # what runs, said once at start-up
-            mb = sum(x.nbytes for x in jax.tree.leaves(runtime)) / 2**20
-            how = "native CPU kernels" if self.native_kernels else "XLA's dot"
             print(f"jaxspec: target weights {engine_cfg.quantize} (weight-only, a float32 scale per output column, "
-                  f"{how}): {mb:.0f} MiB", file=sys.stderr)
+                  f"{'native CPU kernels' if self.native_kernels else 'XLA dot'}): "
+                  f"{sum(x.nbytes for x in jax.tree.leaves(runtime)) / 2**20:.0f} MiB", file=sys.stderr)
         self.cfg, self.ecfg = cfg, engine_cfg
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.page_size = engine_cfg.page_size
@@ -504,8 +503,7 @@ class ModelRunner:
         return ("prefill", b, c), inputs
 
     def run_prefill(self, key: tuple, inputs: dict) -> tuple[np.ndarray, tuple | None]:
-        """(the token sampled at each row's chunk end [b], its logprob entries on the host when a
-        row asked for them, else None)."""
+        """(the token sampled at each row's chunk end [b], its logprob entries when a row asked, or None)."""
         self.compile([key])
         try:
             x = shd.shard_batch(inputs, self.mesh)
@@ -530,11 +528,9 @@ class ModelRunner:
     @staticmethod
     def prefill_outputs(chunks, result) -> tuple[list[int], list]:
         first, lp = result
-        scores = [None] * len(chunks)
-        for i, ch in enumerate(chunks):
-            if lp is not None and ch is not None and ch[0].params.logprobs is not None:
-                scores[i] = TokenScores(*(x[i: i + 1] for x in lp)).top(ch[0].params.logprobs)
-        return first[: len(chunks)].tolist(), scores
+        asked = lambda ch: lp is not None and ch is not None and ch[0].params.logprobs is not None  # noqa: E731
+        return first[: len(chunks)].tolist(), [TokenScores.pick(lp, slice(i, i + 1), ch[0].params.logprobs)
+                                               if asked(ch) else None for i, ch in enumerate(chunks)]
 
     def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
         b = bucket_for(len(rows), self.batch_buckets, "batch size")
@@ -581,11 +577,9 @@ class ModelRunner:
 
     @staticmethod
     def fetch(state: SpecState, logprobs: bool) -> tuple:
-        """(history, hist_len, done, accept_lens, num_verify, the logprob entries (chosen, rank,
-        top ids, top logprobs) or None) on the host; the entries only when a row asked (`logprobs`):
-        a call without them moves no [B, W, 20] buffers."""
-        lp = state.logprobs
-        entries = (lp.chosen, lp.rank, lp.top_ids, lp.top_lps) if logprobs and lp is not None else None
+        """(history, hist_len, done, accept_lens, num_verify, the logprob entries or None) on the host;
+        the entries only when a row asked (`logprobs`): a call without them moves no [B, W, 20] buffers."""
+        entries = state.logprobs.entries() if logprobs and state.logprobs is not None else None
         return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify, entries))
 
     def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
@@ -605,7 +599,7 @@ class ModelRunner:
             n = len(r.tokens)
             scores = None
             if lp is not None and r.params.logprobs is not None:
-                scores = TokenScores(*(x[i, : new_len[i] - n] for x in lp)).top(r.params.logprobs)
+                scores = TokenScores.pick(lp, (i, slice(0, new_len[i] - n)), r.params.logprobs)
             outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
                                   accept_lens=acc[i, : nv[i]].tolist(), logprobs=scores))
         return outs, int(nv[: len(rows)].max(initial=0))

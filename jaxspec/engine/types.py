@@ -81,9 +81,12 @@ class TokenScores:
     def __getitem__(self, i: slice) -> "TokenScores":
         return TokenScores(*(x[i] for x in self.arrays()))
 
-    def top(self, k: int) -> "TokenScores":
-        """The same tokens with only the k likeliest entries."""
-        return TokenScores(self.token_logprobs, self.token_ranks, self.top_ids[:, :k], self.top_logprobs[:, :k])
+    @staticmethod
+    def pick(entries: tuple, index, k: int) -> "TokenScores":
+        """Some of a device call's entries (chosen, rank, top ids, top logprobs; `index` into each),
+        with the k likeliest kept."""
+        chosen, rank, ids, lps = (x[index] for x in entries)
+        return TokenScores(chosen, rank, ids[:, :k], lps[:, :k])
 
     @staticmethod
     def concat(parts: Sequence["TokenScores"], k: int = 0) -> "TokenScores":

@@ -47,6 +47,10 @@ class TokenLogprobs:
     top_ids: Int[Array, "B W K"]
     top_lps: Float[Array, "B W K"]
 
+    def entries(self) -> tuple:
+        """(chosen, rank, top ids, top logprobs): `engine.types.TokenScores`' order."""
+        return self.chosen, self.rank, self.top_ids, self.top_lps
+
     @classmethod
     def zeros(cls, hist_len: Int[Array, "B"], width: int, vocab: int) -> "TokenLogprobs":
         b, k = hist_len.shape[0], top_width(vocab)
