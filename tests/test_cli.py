@@ -110,7 +110,7 @@ def test_gpu_check_script_dry_run(capsys):
 
     assert gpu_main(["--dry-run", "--skip", "sweep"]) == 0
     out = capsys.readouterr().out
-    assert "BAD" not in out and "rejection verify" in out and "plain decode" in out
+    assert "BAD" not in out and "rejection verify" in out and "plain decode" in out and "| int8 | 1 |" in out
 
 
 def test_ngram_corpus_flag_is_used_and_output_stays_exact(tiny_dirs, tmp_path, capsys):

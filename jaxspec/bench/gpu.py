@@ -126,14 +126,15 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / median(timed(lambda: f(x).block_until_ready(), 10))  # read + write
 
 
-def decode_rates(cfg, params, batches, new_tokens: int, prompt_len: int, spec=None) -> dict[int, float]:
+def decode_rates(cfg, params, batches, new_tokens: int, prompt_len: int, spec=None,
+                 quantize: str = "none") -> dict[int, float]:
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine, Request
     from jaxspec.sampling_params import SamplingParams
 
     ecfg = EngineSection(max_batch_size=max(batches), max_context=prompt_len + new_tokens + 32,
                          length_buckets=(prompt_len, 2 * prompt_len, 4 * prompt_len, 8 * prompt_len),
-                         layer_loop="scan")
+                         layer_loop="scan", quantize=quantize)
     engine = Engine(params, cfg, ecfg, progress=False, spec=spec, benchmark=True)
     rng = np.random.default_rng(1)
     out = {}
@@ -183,8 +184,13 @@ def main(argv=None) -> int:
             roof = bw / weight_bytes
             print(f"\n2. plain decode, {'tiny' if dry else 'Llama-3-8B-shaped'} random weights, {dtype.__name__}, "
                   f"copy bandwidth {bw / 1e9:.0f} GB/s, weights {weight_bytes / 2**30:.2f} GiB")
-            print_table(["batch", "tok/s", "roofline tok/s (weights only)", "of roofline"],
-                        [[b, r, b * roof, f"{100 * r / (b * roof):.0f}%"] for b, r in rates.items()])
+            # Weight-only int8 through XLA's dot (layers.Int8Weight): about half bfloat16's bytes a step.
+            int8 = decode_rates(cfg, params, batches, new, plen, quantize="int8")
+            roof8 = bw / (weight_bytes / jnp.dtype(dtype).itemsize)
+            print_table(["weights", "batch", "tok/s", "roofline tok/s (weights only)", "of roofline", f"vs {dtype.__name__}"],
+                        [[dtype.__name__, b, r, b * roof, f"{100 * r / (b * roof):.0f}%", 1.0] for b, r in rates.items()]
+                        + [["int8", b, r, b * roof8, f"{100 * r / (b * roof8):.0f}%", r / rates[b]]
+                           for b, r in int8.items()])
         except Exception:
             traceback.print_exc()
     if "sweep" not in skip:
