@@ -187,7 +187,8 @@ def main(argv=None) -> int:
             # Weight-only int8 through XLA's dot (layers.Int8Weight): about half bfloat16's bytes a step.
             int8 = decode_rates(cfg, params, batches, new, plen, quantize="int8")
             roof8 = bw / (weight_bytes / jnp.dtype(dtype).itemsize)
-            print_table(["weights", "batch", "tok/s", "roofline tok/s (weights only)", "of roofline", f"vs {dtype.__name__}"],
+            print_table(["weights", "batch", "tok/s", "roofline tok/s (weights only)", "of roofline",
+                         f"vs {dtype.__name__}"],
                         [[dtype.__name__, b, r, b * roof, f"{100 * r / (b * roof):.0f}%", 1.0] for b, r in rates.items()]
                         + [["int8", b, r, b * roof8, f"{100 * r / (b * roof8):.0f}%", r / rates[b]]
                            for b, r in int8.items()])
