@@ -57,8 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="log-probabilities of the target's raw distribution (default) or of the one each "
                         "request samples from (temperature, top-k, top-p)")
     p.add_argument("--quantize", choices=["none", "int8"],
-                   help="target weights: as loaded (default) or weight-only int8, quantized at load (native CPU "
-                        "kernels, float32 activations)")
+                   help="target weights: as loaded (default) or weight-only int8, quantized at load (the native "
+                        "CPU kernels, else XLA's dot)")
 
 
 def section_flags(section_cls) -> dict[str, tuple[str, dict]]:

@@ -48,7 +48,8 @@ def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, ti
         r.draft_cache = r.store[0]
     finally:
         r._restore()
-    return r.decode_outputs(rows, r.fetch(s, rows))
+    asked = any(row is not None and row.params.logprobs is not None for row in rows)
+    return r.decode_outputs(rows, r.fetch(s, asked))
 
 
 def loop_state(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[SpecState, jax.Array]:

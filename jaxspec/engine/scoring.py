@@ -58,8 +58,8 @@ class PromptScorer:
                 if mode == "processed":
                     z = penalize(z, rows, jnp.broadcast_to(tokens, (c, length)), hist,
                                  jnp.minimum(jnp.full((c,), prompt_len), hist))
-                z, c = log_distribution(logits[:, None], z, rows, mode)
-                return z[:, 0], c[:, 0]
+                z, offset = log_distribution(logits[:, None], z, rows, mode)
+                return z[:, 0], offset[:, 0]
 
             def fn(params, tokens, n, sp, prompt_len):
                 # 1. Final-norm states of every position: one forward, no cache written.

@@ -75,9 +75,6 @@ class TokenScores:
     def arrays(self) -> tuple[np.ndarray, ...]:
         return self.token_logprobs, self.token_ranks, self.top_ids, self.top_logprobs
 
-    def __len__(self) -> int:
-        return len(self.token_logprobs)
-
     def __getitem__(self, i: slice) -> "TokenScores":
         return TokenScores(*(x[i] for x in self.arrays()))
 
