@@ -96,6 +96,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (its first sample's)
 
     text = _first("text")
     token_ids = _first("token_ids")
@@ -420,11 +421,14 @@ class LLM:
             for start in range(0, len(requests), step):
                 self._add_split(self.engine.profile_phases(requests[start: start + step]))
         samples: list[list[CompletionOutput]] = [[] for _ in items]
+        cached: dict[int, int] = {}
         for (i, group), res in zip(owners, results):
+            cached.setdefault(i, res.num_cached_tokens)
             out = self._completion(res, params[i].stop, params[i].min_tokens)
             samples[i] += [dataclasses.replace(out, index=j, seed=seed) for j, seed in group]
         scored = [self._prompt_logprobs(pid, sp) for pid, sp in zip(ids, params)]
-        return [RequestOutput(p, pid, outs, lp) for p, pid, outs, lp in zip(items, ids, samples, scored)]
+        return [RequestOutput(p, pid, outs, lp, cached.get(i, 0))
+                for i, (p, pid, outs, lp) in enumerate(zip(items, ids, samples, scored))]
 
     def _prompt_logprobs(self, prompt_ids, sp: SamplingParams):
         """The prompt's per-token {token id: Logprob}, led by None, from one scoring forward

@@ -57,6 +57,9 @@ class EngineSection:
     # column, quantized at load, every matrix and the LM head (the embedding lookup stays float32);
     # the native CPU kernels widen them in registers (jaxspec/native/packed_matmul.py).
     quantize: str = "none"
+    # Full KV pages (the target's and the drafter's) shared between requests by the hash of their
+    # tokens, kept after a request ends and evicted LRU when the pool runs dry (jaxspec/cache/prefix.py).
+    prefix_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

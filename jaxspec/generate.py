@@ -30,6 +30,7 @@ FLAG_KEYS = {
     "max_context": "engine.max_context",
     "logprobs_mode": "engine.logprobs_mode",
     "quantize": "engine.quantize",
+    "prefix_cache": "engine.prefix_cache",
     "max_new_tokens": "sampling.max_new_tokens",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
@@ -59,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["none", "int8"],
                    help="target weights: as loaded (default) or weight-only int8, quantized at load (the native "
                         "CPU kernels, else XLA's dot)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="share full KV pages between requests with equal prefixes (default on; "
+                        "--no-prefix-cache recomputes every prompt)")
 
 
 def section_flags(section_cls) -> dict[str, tuple[str, dict]]:

@@ -49,7 +49,7 @@ def run_case(server, new) -> dict:
     from jaxspec.sampling_params import SamplingParams
     from jaxspec.serve.scheduler import Seq, Status
 
-    sched, got, seqs, shards = server.scheduler, {}, [], {}
+    sched, got, seqs, shards, first_shard = server.scheduler, {}, [], {}, {}
     pending = list(range(len(PROMPTS)))
     waves = list(WAVES)
     for _ in range(10_000):
@@ -65,6 +65,7 @@ def run_case(server, new) -> dict:
         sched.step()
         for s in sched.prefilling + sched.running:  # pinned: one shard for the whole stay
             assert shards.setdefault((s.seq_id, s.num_preemptions), s.shard) == s.shard
+            first_shard.setdefault(next(i for i, q in enumerate(seqs) if q is s), s.shard)
 
     k = server.runner.cache.k
     return {
@@ -78,6 +79,7 @@ def run_case(server, new) -> dict:
         "cache_pages": [k.shape[1], k.addressable_shards[0].data.shape[1]],
         "store_spec": [str(getattr(x.sharding, "spec", None)) for x in jax.tree.leaves(server.runner.store[1])],
         "batch_buckets": list(server.runner.batch_buckets), "prefill_batches": list(server.runner.prefill_batches),
+        "first_shard": [first_shard.get(i) for i in range(len(seqs))], "cached": [s.cached_tokens for s in seqs],
     }
 
 
@@ -117,6 +119,11 @@ def main(out_path: str) -> None:
                     rows[shape] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{name} {shape}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             report[name] = rows
+        # The prefix cache per data shard: the same prompts twice; the second round hits the first's
+        # pages, each on the shard that holds them.
+        server = build_server(config(tmp / "tiny", **CASES["ngram"]), model=model, progress=False,
+                              mesh=make_mesh("4x2"))
+        report["prefix_4x2"] = [run_case(server, new), run_case(server, new)]
         # The switch: one replicated pool under a mesh still serves the same tokens.
         server = build_server(config(tmp / "tiny", **CASES["ngram"]), model=model, progress=False,
                               mesh=make_mesh("4x2"), split_pages=False)

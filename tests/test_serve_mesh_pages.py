@@ -68,6 +68,16 @@ def test_each_device_holds_its_shard_of_the_pages(report, case):
         assert all(s == "PartitionSpec('data',)" or s.startswith("P('data'") for s in got["store_spec"]), got
 
 
+def test_prefix_cache_per_shard_hits_on_the_shard_that_holds_it(report):
+    first, second = report["prefix_4x2"]
+    assert first["tokens"] == second["tokens"] == report["ngram"]["single"]["tokens"]
+    # Five prompts have a full page and its lookahead token; a shard's pool only hits its own pages,
+    # so a hit means the scheduler sent the prompt back to the shard that cached it (two batch
+    # slots per shard may send some elsewhere).
+    assert sum(first["cached"]) == 0 and sum(c > 0 for c in second["cached"]) >= 3
+    assert all(c % 4 == 0 for c in second["cached"]) and second["pages_used"] == 0
+
+
 def test_replicated_pool_switch_still_exact(report):
     got = report["replicated_4x2"]
     assert not got["split"] and got["tokens"] == report["ngram"]["single"]["tokens"]

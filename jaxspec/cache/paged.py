@@ -166,10 +166,11 @@ class ShardedPageAllocator:
     shard's pool, and page-table rows hold shard-local ids (each shard's page 0
     is its null page), which is what the per-shard code indexes."""
 
-    def __init__(self, num_shards: int, pages_per_shard: int, page_size: int):
+    def __init__(self, num_shards: int, pages_per_shard: int, page_size: int, pool=PageAllocator):
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-        self.pools = [PageAllocator(pages_per_shard, page_size) for _ in range(num_shards)]
+        # `pool(num_pages, page_size)`: each shard's allocator (a prefix cache is per shard).
+        self.pools = [pool(pages_per_shard, page_size) for _ in range(num_shards)]
         self.num_pages = num_shards * pages_per_shard
         self.page_size = page_size
         self._shard: dict[object, int] = {}
@@ -208,7 +209,21 @@ class ShardedPageAllocator:
         return self.pools[self._shard.get(seq_id, 0)].page_table_row(seq_id, max_pages)
 
     def usage(self) -> dict[str, int]:
-        return {"total": self.total, "used": self.num_used, "free": self.num_free}
+        return {k: sum(p.usage()[k] for p in self.pools) for k in self.pools[0].usage()}
+
+    # The prefix cache (`cache.prefix`), per shard: a sequence adopts and publishes pages of its own.
+    def adopt(self, seq_id, tokens, max_hit: int, shard: int = 0) -> int:
+        if self._shard.setdefault(seq_id, shard) != shard:
+            raise ValueError(f"sequence {seq_id!r} holds pages on shard {self._shard[seq_id]}, not {shard}")
+        return self.pools[shard].adopt(seq_id, tokens, max_hit)
+
+    def cache_pages(self, seq_id, tokens, upto: int) -> int:
+        shard = self._shard.get(seq_id)
+        return 0 if shard is None else self.pools[shard].cache_pages(seq_id, tokens, upto)
+
+    def drop_cached(self) -> None:
+        for p in self.pools:
+            p.drop_cached()
 
 
 # ---- sizing against memory ---------------------------------------------------------

@@ -35,20 +35,22 @@ from jaxspec.speculative.types import Committed
 
 def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw"):
     """prefill(params, draft_params, cache, draft_state, tokens [B, L], q_start [B], chunk_lens [B],
-    page_table [B, P], sampling, history [B, H], prompt_lens [B]) -> (cache, draft_state, first [B],
+    page_table [B, P], sampling, history [B, H], prompt_lens [B], after_cache [B] bool) -> (cache,
+    draft_state, first [B],
     first's logprob entries ([B], [B], [B, K], [B, K]; `logprobs.first_entries`, zeros unless asked)).
 
     One chunk of up to L prompt tokens per row at cache slots q_start..
     (chunk_lens 0 = padding row); `first` is the token sampled at each chunk's
     end, seeded by its absolute position (what a chunk that finishes the
     prompt emits). `history` holds each row's whole prompt (+ any output before a
-    re-prefill), which the penalties read (speculative/penalties.py).
+    re-prefill), which the penalties read (speculative/penalties.py). `after_cache`: the chunk
+    resumes after a prefix served from the prefix cache (`Committed.after_cache`).
     `drafter` may be None (plain decoding).
     """
     want = drafter.target_features if drafter is not None else None
 
     def prefill_fn(params, draft_params, cache, draft_state, tokens, q_start, chunk_lens, page_table, sampling,
-                   history, prompt_lens):
+                   history, prompt_lens, after_cache):
         positions = q_start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         kv_len = q_start + chunk_lens
         last = jnp.maximum(chunk_lens - 1, 0)[:, None]
@@ -59,7 +61,7 @@ def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw")
         first = sample_token(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
                              sampling.seed, kv_len).astype(jnp.int32)
         if drafter is not None:
-            chunk = Committed(tokens, out.features, q_start, chunk_lens)
+            chunk = Committed(tokens, out.features, q_start, chunk_lens, after_cache=after_cache)
             draft_state = drafter.prefill(draft_params, draft_state, chunk, page_table)
         lp = first_entries(out.logits[:, 0], logits[:, 0], first, sampling, logprobs_mode)
         return out.cache, draft_state, first, lp
@@ -128,9 +130,10 @@ def with_row_state(draft_like, rows, cache: KVCache | None):
 def prefill_adapter(chunk_prefill):
     """The shared chunked prefill with the drafter state third (what `with_slots` expects)."""
 
-    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling, history, prompt_lens):
+    def fn(params, draft_params, draft, cache, tokens, q_start, lens, table, sampling, history, prompt_lens,
+           after_cache):
         cache, draft, first, lp = chunk_prefill(params, draft_params, cache, draft, tokens, q_start, lens, table,
-                                                sampling, history, prompt_lens)
+                                                sampling, history, prompt_lens, after_cache)
         return cache, first, lp, draft
 
     return fn

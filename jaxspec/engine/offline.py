@@ -2,8 +2,8 @@
 
 `Engine` is a thin loop over the one executor (`jaxspec.engine.runner.ModelRunner`),
 the same one the server's scheduler drives. Per batch it allocates every row's pages
-for its whole budget, prefills the prompts, and runs one decode call until every row
-is done: many draft -> verify -> commit iterations (or plain steps, the k = 0 plan) as
+for its whole budget (after the longest cached prefix of its prompt, `cache.prefix`),
+prefills the rest of the prompts, and runs one decode call until every row is done: many draft -> verify -> commit iterations (or plain steps, the k = 0 plan) as
 one XLA program, the paged caches donated to it. Buckets are (batch, prompt length,
 context); an already-compiled bucket never retraces.
 """
@@ -172,18 +172,20 @@ class Engine:
             # row i runs on data shard i // per_shard, with pages from its pool and a local slot.
             rows: list[RowInput | None] = [None] * b
             for i, (q, sid) in enumerate(zip(reqs, seq_ids)):
-                shard = i // per_shard if self.split_pages else None
-                r.allocator.allocate(sid, len(q.prompt_ids) + q.params.max_tokens + self.reserve_tokens,
-                                     *(() if shard is None else (shard,)))
+                shard = () if not self.split_pages else (i // per_shard,)
+                hit = r.allocator.adopt(sid, q.prompt_ids, len(q.prompt_ids) - 1, *shard)
+                r.allocator.allocate(sid, len(q.prompt_ids) + q.params.max_tokens + self.reserve_tokens, *shard)
                 rows[i] = RowInput(
                     tokens=list(q.prompt_ids), prompt_len=len(q.prompt_ids),
                     page_row=np.asarray(r.allocator.page_table_row(sid, r.max_pages)),
                     slot=i % per_shard if self.split_pages else i, params=q.params, seed=q.seed,
-                    stop_ids=tuple(q.stop_token_ids), shard=shard)
-            # 2. Prefill (one chunk: the prompt bucket), its sampled token first.
+                    stop_ids=tuple(q.stop_token_ids), shard=shard[0] if shard else None, cached=hit)
+            # 2. Prefill what the cache did not hold (one chunk per row), its sampled token first.
             t0 = time.perf_counter()
-            first, first_lp = r.prefill_scored([row and (row, 0, row.prompt_len) for row in rows])
+            first, first_lp = r.prefill_scored([row and (row, row.cached, row.prompt_len - row.cached) for row in rows])
             t1 = time.perf_counter()
+            for sid, row in zip(seq_ids, rows):
+                r.allocator.cache_pages(sid, row.tokens, row.prompt_len)
             live = [None] * b
             for i, (q, row) in enumerate(zip(reqs, rows)):
                 row.tokens.append(first[i])
@@ -195,6 +197,9 @@ class Engine:
                 outs, iters = r.decode(k, live, ctx) if timer is None else decode_phases(r, k, live, ctx, timer)
             t2 = time.perf_counter()
             self._last_call = (t2 - t1, iters)
+            for sid, row, out in zip(seq_ids, rows, outs):  # the finished sequences' pages, for later prompts
+                history = row.tokens + (out.tokens if out is not None else [])
+                r.allocator.cache_pages(sid, history, len(history) - 1 - r.prefix_lag)
         finally:
             for sid in seq_ids:
                 r.allocator.free(sid)
@@ -209,5 +214,6 @@ class Engine:
             lp = first_lp[i]
             if lp is not None and outs[i] is not None:
                 lp = TokenScores.concat([lp, outs[i].logprobs])
-            results.append(Result(list(q.prompt_ids), out, "stop" if stopped else "length", accept, lp))
+            results.append(Result(list(q.prompt_ids), out, "stop" if stopped else "length", accept, lp,
+                                  rows[i].cached))
         return results

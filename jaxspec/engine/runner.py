@@ -50,7 +50,8 @@ import numpy as np
 
 from jaxspec import aot
 from jaxspec import mesh as shd
-from jaxspec.cache.paged import PageAllocator, ShardedPageAllocator, check_cache_fits
+from jaxspec.cache.paged import ShardedPageAllocator, check_cache_fits
+from jaxspec.cache.prefix import PrefixCachingAllocator
 from jaxspec.config import EngineSection
 from jaxspec.engine.core import (decode_adapter, make_chunk_prefill_fn, prefill_adapter, row_state, spec_state,
                                  stateless, with_slots)
@@ -133,6 +134,10 @@ class ModelRunner:
         self.reserve = (max(reserve_tokens(self.plans[k], d) for k, d in self.drafters.items())
                         if self.speculative else 0)
         self.draft_params = self._draft_params(self.drafter, dparams, dcfg)
+        # Committed tokens whose drafter state may still be behind when a sequence leaves (a draft
+        # model catches up at its next step): the prefix cache leaves them out. One value whether
+        # speculation is on or off, so both reuse the same prefixes.
+        self.prefix_lag = max(8, self.max_depth + 1)
         # 3. Caches, pages, buckets.
         self._init_caches(engine_cfg)
         n = self.num_shards  # buckets round up to whole rows per data shard
@@ -210,8 +215,9 @@ class ModelRunner:
 
     def set_draft_params(self, dparams) -> None:
         """Swap in new weights of the same drafter (a training run's evaluation): same shapes,
-        so every compiled program stays valid."""
+        so every compiled program stays valid. Cached prefixes hold the old drafter's state: dropped."""
         self.draft_params = self._draft_params(self.drafter, dparams, self.draft_cfg)
+        self.allocator.drop_cached()
 
     def _init_caches(self, ecfg: EngineSection) -> None:
         cfg, n = self.cfg, self.num_shards
@@ -229,8 +235,11 @@ class ModelRunner:
             check_cache_fits(shape, dtype, self.mesh, "KV cache" if name == "cache" else "draft KV cache")
         self.cache = self._zeros("cache")
         self.draft_cache = self._zeros("draft_cache") if ccfg is not None else None
-        self.allocator = (ShardedPageAllocator(n, per_shard, self.page_size) if self.split_pages
-                          else PageAllocator(num_pages, self.page_size))
+        # The prefix cache's namespace: what makes K/V and drafter state differ for equal tokens.
+        pool = functools.partial(PrefixCachingAllocator, enabled=ecfg.prefix_cache, namespace=repr(
+            (cfg, self.draft_cfg, repr(self.drafter), str(dtype), ecfg.quantize, self.page_size)))
+        self.allocator = (ShardedPageAllocator(n, per_shard, self.page_size, pool=pool) if self.split_pages
+                          else pool(num_pages, self.page_size))
 
     def _zeros(self, name: str):
         return shd.zeros_cache(self._cache_shapes[name], self.dtype, self.mesh, self.split_pages)
@@ -392,7 +401,8 @@ class ModelRunner:
                 _, b, c = key
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
                 batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
-                                            DeviceSampling.abstract(b), i32(b, self.max_context), i32(b)),
+                                            DeviceSampling.abstract(b), i32(b, self.max_context), i32(b),
+                                            jax.ShapeDtypeStruct((b,), jnp.bool_)),
                                            self.mesh, self.split_pages)
                 return self._jit(self._prefill, key), (self.params, self.draft_params, self.store, batch[0],
                                                        self.cache, *batch[1:])
@@ -418,7 +428,9 @@ class ModelRunner:
                     self.decode_seconds[(k, (b, ctx))] = times[-1]
 
     def reset_caches(self) -> None:
-        """Fresh zeroed caches after a failed call (whose outputs may be poisoned)."""
+        """Fresh zeroed caches after a failed call (whose outputs may be poisoned); no cached prefix
+        survives them."""
+        self.allocator.drop_cached()
         self.cache = self._zeros("cache")
         if self.draft_cache is not None:
             self.draft_cache = self._zeros("draft_cache")
@@ -428,12 +440,16 @@ class ModelRunner:
         """After a failed call the donated buffers are gone: fresh caches and store (their
         contents are dead anyway: the caller frees the call's pages)."""
         lost_store = any(x.is_deleted() for x in jax.tree.leaves(self.store))
-        if self.cache.k.is_deleted():
+        lost_cache = self.cache.k.is_deleted()
+        lost_draft = self.draft_cache is not None and self.draft_cache.k.is_deleted()
+        if lost_cache:
             self.cache = self._zeros("cache")
-        if self.draft_cache is not None and self.draft_cache.k.is_deleted():
+        if lost_draft:
             self.draft_cache = self._zeros("draft_cache")
         if lost_store:
             self.store = self._new_store()
+        if lost_cache or lost_draft:  # the cached prefixes' K/V went with them
+            self.allocator.drop_cached()
 
     # ---- calls -------------------------------------------------------------------
 
@@ -487,6 +503,7 @@ class ModelRunner:
         table = np.zeros((b, self.max_pages), np.int32)
         slots = np.full((b,), self.num_slots, np.int32)
         history, prompt_lens = np.zeros((b, self.max_context), np.int32), np.zeros((b,), np.int32)
+        resume = np.zeros((b,), bool)
         for i, chunk in enumerate(chunks):
             if chunk is None:
                 continue
@@ -497,9 +514,10 @@ class ModelRunner:
             table[i, : len(row.page_row)] = row.page_row
             history[i, : start + n] = row.tokens[: start + n]
             prompt_lens[i] = row.prompt_len
+            resume[i] = 0 < start == row.cached
         inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
                       sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b), history=history,
-                      prompt_lens=prompt_lens)
+                      prompt_lens=prompt_lens, resume=resume)
         return ("prefill", b, c), inputs
 
     def run_prefill(self, key: tuple, inputs: dict) -> tuple[np.ndarray, tuple | None]:
@@ -509,7 +527,7 @@ class ModelRunner:
             x = shd.shard_batch(inputs, self.mesh)
             self.store, self.cache, first, lp = self._compiled[key](
                 self.params, self.draft_params, self.store, x["slots"], self.cache, x["tokens"], x["q_start"],
-                x["lens"], x["table"], x["sampling"], x["history"], x["prompt_lens"])
+                x["lens"], x["table"], x["sampling"], x["history"], x["prompt_lens"], x["resume"])
             self.draft_cache = self.store[0]
             return shd.to_host((first, lp if inputs["sampling"].logprobs.any() else None))
         finally:

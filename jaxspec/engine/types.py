@@ -34,6 +34,7 @@ class Result:
     finish_reason: str  # "stop" (a stop token) or "length"
     accept_lengths: list[int] | None = None  # speculative: committed tokens per verify step
     logprobs: TokenScores | None = None  # output_ids' own, when params.logprobs asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class RequestError(ValueError):
@@ -58,6 +59,9 @@ class RowInput:
     params: SamplingParams = GREEDY
     seed: int = 0
     stop_ids: Sequence[int] = ()
+    # Leading tokens whose K/V and drafter state came from the prefix cache (cache/prefix.py): a
+    # prefill chunk starting there resumes after a prefix this sequence never computed.
+    cached: int = 0
     shard: int | None = None  # split pages: the data shard the sequence is pinned to (checked against its row)
 
 

@@ -199,6 +199,12 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
     return app
 
 
+def _cached_tokens(seqs, n: int) -> int:
+    """Prompt tokens served from the prefix cache, each prompt counted once (as its prompt_tokens
+    are): its first choice's."""
+    return sum(s.cached_tokens or 0 for s in seqs[::n])
+
+
 def _cancel_unfinished(server: Server, seqs) -> None:
     for s in seqs:  # no-op for finished sequences; frees the pages of abandoned ones
         if s.finish_reason is None:
@@ -244,7 +250,7 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
     if p.echo or p.logprobs is not None:  # echo scores the prompt: a forward, off the event loop
         texts, logprobs = await asyncio.to_thread(_choice_logprobs, server, kind, prompts, p, texts, ids, lps)
     return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
-                             completion_tokens, logprobs)
+                             completion_tokens, logprobs, _cached_tokens(seqs, p.n))
 
 
 def _choice_logprobs(server: Server, kind: str, prompts: list[list[int]], p, texts: list[str],
@@ -328,7 +334,8 @@ async def _sse(server: Server, kind: str, rid: str, seqs, stream: _Stream, promp
             if event.finish_reason is not None:
                 open_choices.discard(index)
         if p.include_usage:
-            yield sse(protocol.usage_chunk(kind, rid, server.model_name, prompt_tokens, completion_tokens))
+            yield sse(protocol.usage_chunk(kind, rid, server.model_name, prompt_tokens, completion_tokens,
+                                           _cached_tokens(seqs, p.n)))
         yield "data: [DONE]\n\n"
     finally:
         # A client that went away cancels its sequences; their pages return within one device call.

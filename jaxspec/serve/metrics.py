@@ -31,6 +31,15 @@ class ServerMetrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for a batch slot or KV pages", registry=r)
         self.pages_used = Gauge(p + "kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_free = Gauge(p + "kv_pages_free", "KV cache pages free", registry=r)
+        self.pages_cached = Gauge(p + "kv_pages_cached", "KV pages in the prefix cache (held or evictable)",
+                                  registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
+                                     registry=r)
+        self.evicted = Counter(p + "prefix_cache_evicted_pages", "Cached KV pages evicted for new ones", registry=r)
+        self._evicted_seen = self._queried = self._hit = 0
         self.preemptions = Counter(p + "preemptions", "Requests preempted (freed and recomputed later)", registry=r)
         self.decode_calls = Counter(p + "decode_calls", "Device decode calls", registry=r)
         self.accept_length = Histogram(p + "spec_accept_length", "Tokens committed per verify step (bonus included)",
@@ -67,6 +76,14 @@ class ServerMetrics:
     def tokens_out(self, seq, n: int) -> None:
         self.generation_tokens.inc(n)
 
+    def prefix_lookup(self, prompt_tokens: int, hit: int) -> None:
+        """A request's first admission: its prompt against the prefix cache."""
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(hit)
+        self._queried += prompt_tokens
+        self._hit += hit
+        self.prefix_hit_rate.set(self._hit / self._queried if self._queried else 0.0)
+
     def preempted(self) -> None:
         self.preemptions.inc()
 
@@ -102,3 +119,7 @@ class ServerMetrics:
         self.waiting.set(len(sched.waiting))
         self.pages_used.set(sched.allocator.num_used)
         self.pages_free.set(sched.allocator.num_free)
+        self.pages_cached.set(sum(getattr(p, "num_cached", 0) for p in sched._pools))
+        evicted = sum(getattr(p, "evicted_pages", 0) for p in sched._pools)
+        self.evicted.inc(evicted - self._evicted_seen)
+        self._evicted_seen = evicted

@@ -43,7 +43,8 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
     if key[0] == "prefill":
         _, b, c = key
         return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.max_pages),
-                    sampling=DeviceSampling.pack([], b), history=z(b, runner.max_context), prompt_lens=z(b))
+                    sampling=DeviceSampling.pack([], b), history=z(b, runner.max_context), prompt_lens=z(b),
+                    resume=z(b, dtype=bool))
     _, _, b, ctx = key
     return dict(table=z(b, -(-ctx // runner.page_size)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
                 done=z(b, dtype=bool), slots=z(b), sampling=DeviceSampling.pack([], b))

@@ -271,13 +271,15 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
-             completion_tokens: int, logprobs: list[dict] | None = None) -> dict:
+             completion_tokens: int, logprobs: list[dict] | None = None, cached_tokens: int = 0) -> dict:
     """choices: (text, finish_reason) in index order; logprobs: each choice's, when asked."""
     if kind == "chat":
         body = [{"index": i, "message": {"role": "assistant", "content": t},
@@ -288,7 +290,7 @@ def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], pr
                 for i, (t, f) in enumerate(choices)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chunk(kind: str, rid: str, model: str, index: int, text: str, finish_reason: str | None,
@@ -304,10 +306,11 @@ def chunk(kind: str, rid: str, model: str, index: int, text: str, finish_reason:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def usage_chunk(kind: str, rid: str, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(kind: str, rid: str, model: str, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_logprobs(tokenizer, tokens: list[int], scores, first_null: bool = False, offset: int = 0) -> dict:

@@ -74,6 +74,8 @@ class Seq:
     seq_id: int = dataclasses.field(default_factory=itertools.count().__next__)
     tokens: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0  # target K/V slots filled so far
+    prefix_hit: int = 0  # of them, served from the prefix cache at this admission
+    cached_tokens: int | None = None  # prompt tokens the first admission found cached (usage)
     slot: int | None = None  # row of the runner's drafter-state store while prefilling or running
     shard: int | None = None  # the data shard it is pinned to while prefilling or running (split pages)
     status: Status = Status.WAITING
@@ -250,10 +252,11 @@ class Scheduler:
         else:
             self.allocator.allocate(seq.seq_id, num_tokens, seq.shard)
 
-    def _pick_shard(self, need: int, growth: int) -> int | None:
+    def _pick_shard(self, seq: Seq, need: int, growth: int) -> int | None:
         """The shard a waiting sequence needing `need` slots joins: a free slot and pages for it with
-        one call of growth left for that shard's running rows; the fewest active rows first (batch
-        buckets follow the fullest shard), then the most free pages. None: no shard can take it now."""
+        one call of growth left for that shard's running rows; the one caching the longest prefix of it
+        first, then the fewest active rows (batch buckets follow the fullest shard), then the most free
+        pages. None: no shard can take it now."""
         active, running = [0] * self.num_shards, [0] * self.num_shards
         for s in self.prefilling + self.running:
             active[s.shard] += 1
@@ -267,10 +270,11 @@ class Scheduler:
             # undone by a preemption in the same step (prefill work thrown away).
             if pool.pages_for(need) + growth * running[d] > pool.num_free:
                 continue
-            key = (active[d], -pool.num_free, d)
+            hit = pool.match(seq.tokens, seq.prefill_target - 1) if self.num_shards > 1 else 0
+            key = (-hit, active[d], -pool.num_free, d)
             if best is None or key < best:
                 best = key
-        return None if best is None else best[2]
+        return None if best is None else best[-1]
 
     def _layout(self, seqs: list[Seq], buckets) -> list[Seq | None]:
         """The call's batch rows: with split pages each sequence in its shard's slice (None = padding)."""
@@ -282,13 +286,21 @@ class Scheduler:
         while self.waiting and self.num_active < self.max_batch_size:
             seq = self.waiting[0]
             need = max(self._lookahead(seq), seq.prefill_target + 1)
-            shard = self._pick_shard(need, growth)
+            shard = self._pick_shard(seq, need, growth)
             if shard is None:
                 break
             seq.shard = shard
+            # The longest cached prefix, leaving at least one token to prefill (the chunk that samples).
+            hit = self.allocator.adopt(seq.seq_id, seq.tokens, seq.prefill_target - 1,
+                                       *((shard,) if self.num_shards > 1 else ()))
             self._allocate(seq, need)
             self.waiting.popleft()
-            seq.status, seq.num_cached, seq.slot = Status.PREFILLING, 0, self._slots_of(shard).pop()
+            seq.status, seq.num_cached, seq.slot = Status.PREFILLING, hit, self._slots_of(shard).pop()
+            seq.prefix_hit = hit
+            if seq.cached_tokens is None:
+                seq.cached_tokens = hit
+                if self.metrics is not None:
+                    self.metrics.prefix_lookup(len(seq.prompt_ids), hit)
             self.prefilling.append(seq)
 
     def _row(self, seq: Seq) -> RowInput:
@@ -296,6 +308,7 @@ class Scheduler:
             tokens=seq.tokens, prompt_len=len(seq.prompt_ids),
             page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), slot=seq.slot,
             params=seq.params, seed=seq.seed, stop_ids=seq.stop_ids, shard=seq.shard if self.num_shards > 1 else None,
+            cached=seq.prefix_hit,
         )
 
     def _prefill_step(self) -> None:
@@ -315,6 +328,7 @@ class Scheduler:
             seq.num_cached += chunk[2]
             if seq.num_cached < seq.prefill_target:
                 continue
+            self.allocator.cache_pages(seq.seq_id, seq.tokens, seq.num_cached)  # the prompt's full pages
             self.prefilling.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -340,7 +354,14 @@ class Scheduler:
                         victim = seq  # the newest gives way
                     self._preempt(victim)
 
+    def _publish(self, seq: Seq) -> None:
+        """Offer the pages of a sequence that leaves to the prefix cache: the slots its K/V fills,
+        less the newest `runner.prefix_lag` (a drafter may not have caught up with them)."""
+        lag = self.runner.prefix_lag if seq.status == Status.RUNNING else 0
+        self.allocator.cache_pages(seq.seq_id, seq.tokens, seq.num_cached - lag)
+
     def _preempt(self, seq: Seq) -> None:
+        self._publish(seq)
         self.allocator.free(seq.seq_id)
         for group in (self.running, self.prefilling):
             if seq in group:
@@ -417,6 +438,8 @@ class Scheduler:
     def _finish(self, seq: Seq, reason: str, last: Event | None = None) -> None:
         if seq.status == Status.FINISHED:
             return
+        if reason != "abort":  # an abort may follow a failed call: its caches are not trusted
+            self._publish(seq)
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
         for group in (self.running, self.prefilling):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 # --------------------------------------------------------------------------
 # A drafter's proposal (protocol: jaxspec.speculative.protocol)
@@ -61,6 +61,10 @@ class Committed(NamedTuple):
     start: Int[Array, "B"]
     count: Int[Array, "B"]
     bonus: Int[Array, "B"] | None = None
+    # Prefill only: rows whose chunk resumes after a prefix served from the prefix cache. Their
+    # drafter state before `start` is the cached pages', which a feature drafter's pending feature
+    # does not match; the pair it would write at start - 1 is in those pages already.
+    after_cache: Bool[Array, "B"] | None = None
 
 
 # The verification result, tree info and draft-id test are shared with the kernels, which

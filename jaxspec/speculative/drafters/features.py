@@ -56,6 +56,8 @@ def pair_inputs(
     j = jnp.arange(w, dtype=jnp.int32)[None, :]
     slots = c.start[:, None] - 1 + j
     valid = (j < c.count[:, None]) & (slots >= 0)
+    if c.after_cache is not None:  # that pair is in the shared pages, and `pending` is not its feature
+        valid &= ~(c.after_cache[:, None] & (j == 0))
     return c.tokens, feats, jnp.maximum(slots, 0), valid
 
 
