@@ -75,7 +75,7 @@ def hf_dir(model: str) -> Path:
 def server(args):
     """`python -m jaxspec.serve` on loopback, as `bench serve` starts it; adaptive off: the policy may
     measure plain decoding faster and stop drafting."""
-    from jaxspec.bench.serve import launched
+    from jaxspec.bench.servers import launched
     from jaxspec.serve.launch import SERVE_DEFAULTS
 
     overrides = {**SERVE_DEFAULTS, "spec.algorithm": args.spec, "serve.adaptive": False,

