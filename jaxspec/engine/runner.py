@@ -338,7 +338,8 @@ class ModelRunner:
 
     @functools.cached_property
     def _parts(self) -> tuple:
-        return (repr(self.cfg), repr(self.ecfg), repr(self.plans), repr(self.drafters),
+        # The prefix cache is host-side bookkeeping: both settings run the same programs.
+        return (repr(self.cfg), repr(dataclasses.replace(self.ecfg, prefix_cache=True)), repr(self.plans), repr(self.drafters),
                 aot.code_of(self.drafter), self.native_kernels, repr(self.mesh), self.split_pages,
                 self.steps_per_call, self.max_pages, self.num_slots)
 
