@@ -80,9 +80,14 @@ def test_second_turn_reports_cached_tokens_and_equals_cache_off(served, cache_on
 def test_n_samples_share_the_prompt_and_stay_exact(served, cache_on):
     server, url = served
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello twice."}]
+    hits0 = metric(url, "jaxspec_prefix_cache_hits_total")
     out = _chat(url, server.model_name, msgs, n=3)
     texts = [c["message"]["content"] for c in out["choices"]]
     assert len(texts) == 3 and len(set(texts)) == 1  # greedy: every sample the same
+    # Samples 2 and 3 waited for sample 1's prefill and share its prompt pages.
+    page, prompt = server.runner.page_size, out["usage"]["prompt_tokens"]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the first sample's
+    assert metric(url, "jaxspec_prefix_cache_hits_total") - hits0 == 2 * ((prompt - 1) // page) * page
     again = _chat(url, server.model_name, msgs, n=2)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert [c["message"]["content"] for c in again["choices"]] == texts[:2]

@@ -38,6 +38,7 @@ import time
 from typing import Callable
 
 from jaxspec.cache.paged import OutOfPagesError
+from jaxspec.cache.prefix import page_keys
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.engine.runner import ModelRunner
@@ -283,8 +284,11 @@ class Scheduler:
     def _admit(self) -> None:
         r = self.runner
         growth = self._pools[0].pages_for(r.steps_per_call * (r.max_depth + 1))
+        pending = {key for s in self.prefilling for key in self._prefix_keys(s)}
         while self.waiting and self.num_active < self.max_batch_size:
             seq = self.waiting[0]
+            if self._awaits_prefix(seq, pending):
+                break
             need = max(self._lookahead(seq), seq.prefill_target + 1)
             shard = self._pick_shard(seq, need, growth)
             if shard is None:
@@ -302,6 +306,28 @@ class Scheduler:
                 if self.metrics is not None:
                     self.metrics.prefix_lookup(len(seq.prompt_ids), hit)
             self.prefilling.append(seq)
+            pending.update(self._prefix_keys(seq))
+
+    # ---- the prefix cache ------------------------------------------------------------------
+
+    def _prefix_keys(self, seq: Seq) -> list[bytes]:
+        """The page keys `seq`'s prefill will publish (`cache.prefix.page_keys`); none with the cache off."""
+        pool = self._pools[0]
+        if not getattr(pool, "enabled", False):
+            return []
+        return page_keys(seq.tokens, pool.page_size, pool.root, seq.prefill_target - 1)
+
+    def _awaits_prefix(self, seq: Seq, pending: set) -> bool:
+        """Whether the first page `seq` would miss is being prefilled by an admitted sequence. It then
+        waits (FIFO: the queue behind it too) until that prefill publishes the page, instead of
+        computing the same K/V beside it: the samples of one prompt (n > 1), and conversations that
+        open with the same system prompt and arrive together. A prefill finishes within a few steps,
+        so the wait is bounded by the work it saves."""
+        keys = self._prefix_keys(seq)
+        if not keys or not pending:
+            return False
+        hit = max(p.match(seq.tokens, seq.prefill_target - 1) for p in self._pools) // self._pools[0].page_size
+        return hit < len(keys) and keys[hit] in pending
 
     def _row(self, seq: Seq) -> RowInput:
         return RowInput(
