@@ -91,18 +91,21 @@ def test_held_pages_are_never_evicted_and_exhaustion_names_the_cache():
     assert a.match(prompt, 8) == 8
 
 
-def test_drop_cached_forgets_every_page():
-    a = PrefixCachingAllocator(6, PAGE)
+def test_drop_cached_forgets_every_page_and_frees_a_shared_one_once():
+    a = PrefixCachingAllocator(8, PAGE)
     prompt = list(range(1, 10))
     a.adopt("x", prompt, 8)
     a.allocate("x", 9)
     a.cache_pages("x", prompt, 9)
-    a.drop_cached()
+    assert a.adopt("y", prompt, 8) == 8  # x and y hold both cached pages
+    a.allocate("y", 9)
+    a.drop_cached()  # a failed call: the cache goes while x and y still hold its pages
     a.check()
     assert a.match(prompt, 8) == 0
     a.free("x")
-    assert a.num_free == 5 and a.num_cached == 0
-    a.check()
+    a.free("y")
+    a.check()  # each shared page back on the free list once (twice would hand it to two sequences)
+    assert a.num_free == 7 and a.num_cached == 0 and len(set(a._free)) == len(a._free)
 
 
 def test_disabled_cache_is_a_plain_allocator():
@@ -290,3 +293,23 @@ def test_cache_never_crosses_weights(world):
     assert engine.runner.allocator.match(prompt, len(prompt) - 1) == 8
     engine.runner.set_draft_params(draft[0])
     assert engine.runner.allocator.match(prompt, len(prompt) - 1) == 0
+
+
+def test_plain_calls_of_the_adaptive_engine_publish_only_the_prompt(world):
+    """The offline adaptive engine's k = 0 runs plain decoding without the drafter, so the drafter
+    state of the generated tokens is never written: those pages must not enter the cache."""
+    model, _, heads = world
+    spec = SPECS["eagle3"](heads)
+    draft = load_draft(spec, model, jnp.float32, progress=False)
+    engine = Engine(model.params, model.config, ECFG, progress=False, spec=spec, draft=draft, adaptive=True)
+    prompt = [5, 9, 17, 33, 2, 7, 11, 13, 21, 3, 8, 30, 6]  # 3 publishable pages
+    for k in (0, engine.depth):
+        engine.runner.allocator.drop_cached()
+        engine.adaptive.choose = lambda key, k=k: k
+        res = engine.generate([Request(prompt, SamplingParams(max_tokens=40))])[0]
+        history = prompt + res.output_ids
+        cached = engine.runner.allocator.match(history, len(history) - 1)
+        if k == 0:
+            assert cached == 12  # the prompt's pages only
+        else:  # speculation kept the drafter's state: the answer's pages too, less the lag
+            assert cached == (len(history) - 2 - engine.runner.prefix_lag) // PAGE * PAGE

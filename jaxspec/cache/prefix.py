@@ -154,12 +154,15 @@ class PrefixCachingAllocator(PageAllocator):
 
     def drop_cached(self) -> None:
         """Forget every cached page (their K/V is no longer valid: caches reset, weights swapped).
-        Held pages become private to their holders; evictable ones return to the free list."""
+        Evictable pages return to the free list. A held page keeps its reference count, now under
+        no key: it returns to the free list when its last holder frees it (once, however many
+        sequences held it)."""
         self._free.extend(reversed(list(self._lru)))
+        for page in self._lru:
+            del self._refs[page]
         self._lru.clear()
         self._page_of.clear()
         self._key_of.clear()
-        self._refs.clear()
 
     # ---- the allocator's own operations ---------------------------------------
 
@@ -188,8 +191,13 @@ class PrefixCachingAllocator(PageAllocator):
         for page in reversed(pages):
             if page in self._refs:
                 self._refs[page] -= 1
-                if self._refs[page] == 0:
+                if self._refs[page] > 0:
+                    continue
+                if page in self._key_of:
                     self._lru[page] = None
+                else:  # dropped from the cache while held
+                    del self._refs[page]
+                    private.append(page)
             else:
                 private.append(page)
         self._free.extend(private)

@@ -21,6 +21,7 @@ from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import Request, RequestError, Result, RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters import algorithm_info
+from jaxspec.speculative.drafters.plain import PlainDrafter
 
 
 class Engine:
@@ -197,9 +198,12 @@ class Engine:
                 outs, iters = r.decode(k, live, ctx) if timer is None else decode_phases(r, k, live, ctx, timer)
             t2 = time.perf_counter()
             self._last_call = (t2 - t1, iters)
-            for sid, row, out in zip(seq_ids, rows, outs):  # the finished sequences' pages, for later prompts
-                history = row.tokens + (out.tokens if out is not None else [])
-                r.allocator.cache_pages(sid, history, len(history) - 1 - r.prefix_lag)
+            # The finished sequences' pages, for later prompts; not after a k = 0 call that ran plain
+            # decoding without the drafter, whose state for the generated tokens was never written.
+            if not (r.speculative and isinstance(r.drafters[k], PlainDrafter)):
+                for sid, row, out in zip(seq_ids, rows, outs):
+                    history = row.tokens + (out.tokens if out is not None else [])
+                    r.allocator.cache_pages(sid, history, len(history) - 1 - r.prefix_lag)
         finally:
             for sid in seq_ids:
                 r.allocator.free(sid)

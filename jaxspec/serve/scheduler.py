@@ -297,7 +297,11 @@ class Scheduler:
             # The longest cached prefix, leaving at least one token to prefill (the chunk that samples).
             hit = self.allocator.adopt(seq.seq_id, seq.tokens, seq.prefill_target - 1,
                                        *((shard,) if self.num_shards > 1 else ()))
-            self._allocate(seq, need)
+            try:  # cannot fail after _pick_shard's check; if it ever did, the adopted pages go back
+                self._allocate(seq, need)
+            except OutOfPagesError:
+                self.allocator.free(seq.seq_id)
+                raise
             self.waiting.popleft()
             seq.status, seq.num_cached, seq.slot = Status.PREFILLING, hit, self._slots_of(shard).pop()
             seq.prefix_hit = hit
@@ -352,9 +356,11 @@ class Scheduler:
             if seq is None:
                 continue
             seq.num_cached += chunk[2]
+            # Every chunk publishes the full pages it completed, so a request waiting for them
+            # (_awaits_prefix) waits one chunk, not the whole prompt.
+            self.allocator.cache_pages(seq.seq_id, seq.tokens, seq.num_cached)
             if seq.num_cached < seq.prefill_target:
                 continue
-            self.allocator.cache_pages(seq.seq_id, seq.tokens, seq.num_cached)  # the prompt's full pages
             self.prefilling.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
