@@ -3,8 +3,9 @@
 `Engine` is a thin loop over the one executor (`jaxspec.engine.runner.ModelRunner`),
 the same one the server's scheduler drives. Per batch it allocates every row's pages
 for its whole budget (after the longest cached prefix of its prompt, `cache.prefix`),
-prefills the rest of the prompts, and runs one decode call until every row is done: many draft -> verify -> commit iterations (or plain steps, the k = 0 plan) as
-one XLA program, the paged caches donated to it. Buckets are (batch, prompt length,
+prefills the rest of the prompts, and runs one decode call until every row is done:
+many draft -> verify -> commit iterations (or plain steps, the k = 0 plan) as one XLA
+program, the paged caches donated to it. Buckets are (batch, prompt length,
 context); an already-compiled bucket never retraces.
 """
 
