@@ -187,9 +187,12 @@ class ShardedPageAllocator:
     def num_used(self) -> int:
         return sum(p.num_used for p in self.pools)
 
-    def allocate(self, seq_id, num_tokens: int, shard: int = 0) -> list[int]:
+    def _pin(self, seq_id, shard: int) -> None:
         if self._shard.setdefault(seq_id, shard) != shard:
             raise ValueError(f"sequence {seq_id!r} holds pages on shard {self._shard[seq_id]}, not {shard}")
+
+    def allocate(self, seq_id, num_tokens: int, shard: int = 0) -> list[int]:
+        self._pin(seq_id, shard)
         try:
             return self.pools[shard].allocate(seq_id, num_tokens)
         except OutOfPagesError as e:
@@ -213,8 +216,7 @@ class ShardedPageAllocator:
 
     # The prefix cache (`cache.prefix`), per shard: a sequence adopts and publishes pages of its own.
     def adopt(self, seq_id, tokens, max_hit: int, shard: int = 0) -> int:
-        if self._shard.setdefault(seq_id, shard) != shard:
-            raise ValueError(f"sequence {seq_id!r} holds pages on shard {self._shard[seq_id]}, not {shard}")
+        self._pin(seq_id, shard)
         return self.pools[shard].adopt(seq_id, tokens, max_hit)
 
     def cache_pages(self, seq_id, tokens, upto: int) -> int:

@@ -45,7 +45,7 @@ def page_keys(tokens: Sequence[int], page_size: int, root: bytes, limit: int | N
     """Keys of the leading full pages of `tokens` whose lookahead token is known, at most
     `limit` tokens' worth (pages p with (p + 1) * page_size < len(tokens), within limit)."""
     n = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
-    arr = np.asarray(tokens[: len(tokens)], np.int64)
+    arr = np.asarray(tokens, np.int64)
     keys, parent = [], root
     for p in range(max(n, 0) // page_size):
         end = (p + 1) * page_size
@@ -71,8 +71,6 @@ class PrefixCachingAllocator(PageAllocator):
         self._key_of: dict[int, bytes] = {}
         self._refs: dict[int, int] = {}  # cached page -> sequences holding it
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unheld
-        self.hit_tokens = 0  # prompt tokens served from the cache (adopt)
-        self.query_tokens = 0  # prompt tokens asked about (adopt)
         self.evicted_pages = 0
 
     # ---- counts ----------------------------------------------------------------
@@ -116,7 +114,6 @@ class PrefixCachingAllocator(PageAllocator):
         prefix of at most `max_hit` tokens; returns the tokens hit (a multiple of page_size)."""
         if self._owned.get(seq_id):
             raise ValueError(f"sequence {seq_id!r} already owns pages: adopt a prefix before allocating")
-        self.query_tokens += len(tokens)
         if not self.enabled:
             return 0
         pages = []
@@ -130,9 +127,7 @@ class PrefixCachingAllocator(PageAllocator):
             self._lru.pop(page, None)
         if pages:
             self._owned[seq_id] = pages
-        hit = len(pages) * self.page_size
-        self.hit_tokens += hit
-        return hit
+        return len(pages) * self.page_size
 
     def cache_pages(self, seq_id, tokens: Sequence[int], upto: int) -> int:
         """Publish `seq_id`'s full pages whose K/V and drafter state are final for the first `upto`
