@@ -304,6 +304,7 @@ class LLM:
         self.eos_token_ids = stop_token_ids(model)
         self._profile = profile_phases
         self._scorer = None
+        self._grammars = None  # grammar.matcher.GrammarCompiler, built by the first constrained request
         self.default_sampling = SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
             max_tokens=cfg.sampling.max_new_tokens, ignore_eos=cfg.sampling.ignore_eos)
@@ -349,11 +350,26 @@ class LLM:
                 req = Request(p, sp, seed=group[0][1], stop_token_ids=sp.stop_ids(self.eos_token_ids))
                 try:  # here, so the error names the prompt
                     self.engine.validate(req)
+                    if sp.structured_outputs is not None:  # one matcher per sequence
+                        req.grammar = self._grammar(sp.structured_outputs)
                 except RequestError as e:
                     raise RequestError(f"{where}: {e}") from None
                 requests.append(req)
                 owners.append((i, group))
         return items, ids, params, requests, owners
+
+    def _grammar(self, spec):
+        """A fresh matcher for `spec` over this model's tokenizer (grammar/matcher.py); RequestError
+        naming the field when llguidance refuses it with this tokenizer."""
+        from jaxspec.engine import RequestError
+        from jaxspec.grammar.matcher import GrammarCompiler
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        try:
+            return self._grammars.matcher(spec)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     # ---- compiling ----------------------------------------------------------------------------------
 

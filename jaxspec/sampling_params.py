@@ -161,6 +161,113 @@ def check_bool(field: str, value: Any) -> bool:
     return value
 
 
+# ---- structured outputs -------------------------------------------------------------------
+# What a request constrains its output to, in vLLM's naming (its StructuredOutputsParams):
+#     StructuredOutputs(json={...})            a JSON schema (dict or its JSON text)
+#     StructuredOutputs(json_object=True)      any JSON object (OpenAI's response_format json_object)
+#     StructuredOutputs(regex=r"\d{3}-\d{4}")  a regular expression (Rust `regex` syntax)
+#     StructuredOutputs(choice=["yes", "no"])  exactly one of these strings
+#     StructuredOutputs(grammar="start: ...")  a Lark grammar (llguidance's dialect), GBNF or EBNF
+# Each becomes an llguidance grammar, validated when built and without a tokenizer, so a bad
+# schema or regex fails where the request is parsed, with llguidance's message, and never reaches
+# the device. jaxspec/grammar/matcher.py runs it on the host, speculative/grammar.py on device.
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# JSON is compact (", " and ": " separators, no free whitespace): a model cannot wander off into
+# whitespace that the schema allows anywhere. A schema's own "x-guidance" options override it.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint; `field` is what the caller called it (error messages name it).
+
+    json: a JSON schema, kept as canonical JSON text (so the params stay hashable).
+    choice: a tuple of non-empty strings. The llguidance grammar is built once, in `lark`."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    field: str = dataclasses.field(default="structured_outputs", compare=False)
+    lark: str = dataclasses.field(default="", compare=False, repr=False)
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingError(self.field, f"{self.field} must set exactly one of {', '.join(KINDS)}, got "
+                                            f"{', '.join(given) or 'none'}")
+        kind = given[0]
+        where = f"{self.field}.{kind}" if self.field == "structured_outputs" else self.field
+        value = getattr(self, kind)
+        object.__setattr__(self, "lark", _to_llguidance(kind, value, where, self))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+
+def _to_llguidance(kind: str, value: Any, where: str, obj: StructuredOutputs) -> str:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if kind == "json_object":
+        if value is not True:
+            raise SamplingError(where, f"{where} must be true, got {shown(value)}")
+        grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+    elif kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise SamplingError(where, f"{where} must be a JSON schema, got text that is not JSON ({e})") from None
+        if not isinstance(value, (dict, bool)):
+            raise SamplingError(where, f"{where} must be a JSON schema (an object), got {shown(value)}")
+        object.__setattr__(obj, "json", json.dumps(value, sort_keys=True))
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)
+        except ValueError as e:
+            raise SamplingError(where, f"{where}: {e}") from None
+    elif kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise SamplingError(where, f"{where} must be a non-empty string, got {shown(value)}")
+        grammar = LLMatcher.grammar_from_regex(value)
+    elif kind == "choice":
+        if (not isinstance(value, (list, tuple)) or not value
+                or not all(isinstance(c, str) and c for c in value)):
+            raise SamplingError(where, f"{where} must be a non-empty list of non-empty strings, got {shown(value)}")
+        object.__setattr__(obj, "choice", tuple(value))
+        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    else:
+        if not isinstance(value, str) or not value.strip():
+            raise SamplingError(where, f"{where} must be a non-empty grammar (Lark, GBNF or EBNF), got "
+                                       f"{shown(value)}")
+        try:
+            grammar = LLMatcher.grammar_from_lark(any_to_lark(value))
+        except Exception as e:  # noqa: BLE001 - the converter raises what its parser raises
+            raise SamplingError(where, f"{where} is not a valid grammar: {str(e).splitlines()[0]}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise SamplingError(where, f"{where} is not valid: {' '.join(error.split())}")  # one line
+    return grammar
+
+
+def check_structured(value: Any, field: str = "structured_outputs") -> StructuredOutputs | None:
+    """A StructuredOutputs from what a caller passed: one itself, None, or a mapping of its fields
+    (vLLM's `structured_outputs` object: {"json": ...}, {"regex": ...}, {"choice": [...]},
+    {"grammar": ...}, {"json_object": true}). Unknown keys are refused, never ignored."""
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    if not isinstance(value, dict):
+        raise SamplingError(field, f"{field} must be an object with one of {', '.join(KINDS)}, got {shown(value)}")
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise SamplingError(f"{field}.{unknown[0]}", f"{field}.{unknown[0]} is not supported (one of "
+                                                     f"{', '.join(KINDS)})")
+    return StructuredOutputs(**{k: v for k, v in value.items() if v is not None}, field=field)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one prompt, in vLLM's naming; validated when built.
@@ -188,6 +295,8 @@ class SamplingParams:
         and no stop string is looked for before the min_tokens-th token (vLLM's rule).
     stop_token_ids: token ids that end the output besides the model's EOS (kept in the output).
     All of them apply at every position, drafts included: `jaxspec/speculative/penalties.py`.
+    structured_outputs: a StructuredOutputs (or a dict of its fields): the output follows a JSON
+        schema, a regex, a choice or a grammar, under speculation too (`jaxspec/speculative/grammar.py`).
 
     A bad value raises SamplingError (a ValueError) naming the field, with the
     messages the CLI and the server give. Strings and lists for `stop` are
@@ -210,6 +319,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         # Frozen: normalised values go in through object.__setattr__, once, here.
@@ -223,6 +333,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", check_token_ids(self.stop_token_ids))
         check_bool("ignore_eos", self.ignore_eos)
+        object.__setattr__(self, "structured_outputs", check_structured(self.structured_outputs))
         if self.min_tokens > self.max_tokens:
             raise SamplingError("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                                               f"got {self.min_tokens}")

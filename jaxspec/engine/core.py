@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxspec.cache.paged import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
+from jaxspec.speculative.grammar import constrain
 from jaxspec.speculative.loop import SpecState
 from jaxspec.speculative.logprobs import first_entries
 from jaxspec.speculative.penalties import penalize
@@ -33,7 +34,7 @@ from jaxspec.speculative.sampling import sample_token
 from jaxspec.speculative.types import Committed
 
 
-def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw"):
+def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw", constrained: bool = False):
     """prefill(params, draft_params, cache, draft_state, tokens [B, L], q_start [B], chunk_lens [B],
     page_table [B, P], sampling, history [B, H], prompt_lens [B], after_cache [B] bool) -> (cache,
     draft_state, first [B],
@@ -45,7 +46,8 @@ def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw")
     prompt emits). `history` holds each row's whole prompt (+ any output before a
     re-prefill), which the penalties read (speculative/penalties.py). `after_cache`: the chunk
     resumes after a prefix served from the prefix cache (`Committed.after_cache`).
-    `drafter` may be None (plain decoding).
+    `drafter` may be None (plain decoding). `constrained`: the sampled token follows its row's grammar
+    (speculative/grammar.py), the build for batches with a structured-output row.
     """
     want = drafter.target_features if drafter is not None else None
 
@@ -58,6 +60,10 @@ def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw")
         out = forward(params, cfg, tokens, positions, cache, page_table, q_start=q_start, kv_len=kv_len,
                       logits_index=last, **capture)
         logits = penalize(out.logits, sampling, history, kv_len, prompt_lens)
+        if constrained:
+            b = tokens.shape[0]
+            logits = constrain(logits, sampling.grammar, history, kv_len, prompt_lens, jnp.zeros((b, 1), jnp.int32),
+                               jnp.full((b, 1), -1, jnp.int32))
         first = sample_token(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p,
                              sampling.seed, kv_len).astype(jnp.int32)
         if drafter is not None:

@@ -36,6 +36,7 @@ class DeviceSampling:
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32, -1 padded
     bias: jax.Array  # [B, MAX_LOGIT_BIAS] f32
     logprobs: jax.Array  # [B] bool: the row reports its tokens' log-probabilities (speculative/logprobs.py)
+    grammar: jax.Array  # [B] int32: the row's grammar id (`grammar.matcher.Grammar.id`), -1 = unconstrained
 
     @classmethod
     def abstract(cls, b: int) -> "DeviceSampling":
@@ -47,19 +48,21 @@ class DeviceSampling:
                    presence=f32, frequency=f32, repetition=f32, min_tokens=i32,
                    bias_ids=jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.int32),
                    bias=jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.float32),
-                   logprobs=jax.ShapeDtypeStruct((b,), jnp.bool_))
+                   logprobs=jax.ShapeDtypeStruct((b,), jnp.bool_), grammar=i32)
 
     @classmethod
     def pack(cls, rows: Sequence, b: int) -> "DeviceSampling":
         """numpy arrays for `rows` (None = a padding row), padded to b rows.
 
-        A row (`types.RowInput`) has `params` (a SamplingParams), `seed` and `stop_ids`. Seeds wrap
+        A row (`types.RowInput`) has `params` (a SamplingParams), `seed`, `stop_ids` and maybe a
+        `grammar` (its matcher: `grammar.matcher.Grammar`, built by the front end). Seeds wrap
         to uint32, budgets clip to int32."""
         temp, topp = np.zeros((b,), np.float32), np.ones((b,), np.float32)
         topk, seed, max_tokens = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.ones((b,), np.int32)
         stop = np.full((b, MAX_STOP_IDS), -1, np.int32)
         presence, frequency, repetition = np.zeros((b,), np.float32), np.zeros((b,), np.float32), np.ones((b,), np.float32)
         min_tokens, logprobs = np.zeros((b,), np.int32), np.zeros((b,), bool)
+        grammar = np.full((b,), -1, np.int32)
         bias_ids, bias = np.full((b, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((b, MAX_LOGIT_BIAS), np.float32)
         for i, r in enumerate(rows):
             if r is None:
@@ -71,8 +74,10 @@ class DeviceSampling:
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             min_tokens[i] = min(p.min_tokens, 2**31 - 1)
             logprobs[i] = p.logprobs is not None
+            if getattr(r, "grammar", None) is not None:
+                grammar[i] = r.grammar.id
             for j, (tid, v) in enumerate(p.logit_bias):
                 bias_ids[i, j], bias[i, j] = tid, v
         return cls(temperature=temp, top_k=topk, top_p=topp, seed=seed, stop_ids=stop, max_tokens=max_tokens,
                    presence=presence, frequency=frequency, repetition=repetition, min_tokens=min_tokens,
-                   bias_ids=bias_ids, bias=bias, logprobs=logprobs)
+                   bias_ids=bias_ids, bias=bias, logprobs=logprobs, grammar=grammar)

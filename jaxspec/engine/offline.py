@@ -181,7 +181,8 @@ class Engine:
                     tokens=list(q.prompt_ids), prompt_len=len(q.prompt_ids),
                     page_row=np.asarray(r.allocator.page_table_row(sid, r.max_pages)),
                     slot=i % per_shard if self.split_pages else i, params=q.params, seed=q.seed,
-                    stop_ids=tuple(q.stop_token_ids), shard=shard[0] if shard else None, cached=hit)
+                    stop_ids=tuple(q.stop_token_ids), shard=shard[0] if shard else None, cached=hit,
+                    grammar=q.grammar)
             # 2. Prefill what the cache did not hold (one chunk per row), its sampled token first.
             t0 = time.perf_counter()
             first, first_lp = r.prefill_scored([row and (row, row.cached, row.prompt_len - row.cached) for row in rows])

@@ -33,6 +33,10 @@ Two executables per bucket:
   draft length k, for at most `steps_per_call` iterations (the server, so
   requests can join between calls) or until every row is done (None: the
   offline engine's whole generation as one program).
+
+A batch holding a structured-output row runs the "+grammar" build of either ("prefill+grammar",
+...), whose verify fetches grammar masks from the host each iteration (`speculative.grammar`):
+compiled on first use and never stored (an executable with a host callback cannot be).
 """
 
 from __future__ import annotations
@@ -64,6 +68,14 @@ from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters import algorithm_info, build_drafter, registration, reserve_tokens
 from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
+
+
+# The key suffix of the constrained build of a program (a batch holding a structured-output row).
+GRAMMAR = "+grammar"
+
+
+def _grammar_suffix(rows) -> str:
+    return GRAMMAR if any(r is not None and r.grammar is not None for r in rows) else ""
 
 
 def plan_for_steps(base: SpecPlan, k: int) -> SpecPlan:
@@ -156,9 +168,7 @@ class ModelRunner:
         self.store = self._new_store()
         # 4. The jitted programs; `pinned`: outputs keep the mesh layout, so each accepts its own outputs.
         self._decode = {k: self._decode_fn(k) for k in self.candidates}
-        self._prefill = self.pinned(with_slots(prefill_adapter(make_chunk_prefill_fn(cfg, self.drafter,
-                                                                                      engine_cfg.logprobs_mode)),
-                                                self.drafter), replicated=(0, 1))
+        self._prefill = self._prefill_fn()
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
         self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration
@@ -244,9 +254,14 @@ class ModelRunner:
     def _zeros(self, name: str):
         return shd.zeros_cache(self._cache_shapes[name], self.dtype, self.mesh, self.split_pages)
 
-    def _decode_fn(self, k: int):
+    def _prefill_fn(self, constrained: bool = False):
+        chunk = make_chunk_prefill_fn(self.cfg, self.drafter, self.ecfg.logprobs_mode, constrained=constrained)
+        return self.pinned(with_slots(prefill_adapter(chunk), self.drafter), replicated=(0, 1))
+
+    def _decode_fn(self, k: int, constrained: bool = False):
         drafter = self.drafters[k]
-        decode = make_spec_decode_fn(self.plans[k], self.cfg, drafter, max_iters=self.steps_per_call)
+        plan = dataclasses.replace(self.plans[k], constrained=constrained)
+        decode = make_spec_decode_fn(plan, self.cfg, drafter, max_iters=self.steps_per_call)
         if isinstance(drafter, PlainDrafter) and drafter is not self.drafter:
             return self.pinned(stateless(decode), replicated=(0, 1))
         return self.pinned(with_slots(decode_adapter(decode), drafter), replicated=(0, 1))
@@ -380,8 +395,13 @@ class ModelRunner:
         todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
         for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
             fn, args = self._trace_args(key)
-            self._compiled[key] = aot.compile_cached(("runner", key, self.aot_parts(), aot.abstract_signature(args)),
-                                                     lambda fn=fn, args=args: self._lower(fn, args), self.before_load)
+            if key[0].endswith(GRAMMAR):  # a host callback lives in it: no stored executable can hold one
+                self._compiled[key] = self._lower(fn, args).compile()
+            else:
+                self._compiled[key] = aot.compile_cached(("runner", key, self.aot_parts(),
+                                                          aot.abstract_signature(args)),
+                                                         lambda fn=fn, args=args: self._lower(fn, args),
+                                                         self.before_load)
             self.num_compiles += 1
 
     def _lower(self, fn, args):
@@ -397,20 +417,23 @@ class ModelRunner:
 
     def _trace_args(self, key: tuple) -> tuple:
         """(the jitted function, its abstract arguments) of a bucket key."""
+        constrained = key[0].endswith(GRAMMAR)
         with self.mesh_context():
-            if key[0] == "prefill":
+            if key[0].startswith("prefill"):
                 _, b, c = key
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
                 batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
                                             DeviceSampling.abstract(b), i32(b, self.max_context), i32(b),
                                             jax.ShapeDtypeStruct((b,), jnp.bool_)),
                                            self.mesh, self.split_pages)
-                return self._jit(self._prefill, key), (self.params, self.draft_params, self.store, batch[0],
-                                                       self.cache, *batch[1:])
+                fn = self._prefill_fn(True) if constrained else self._prefill
+                return self._jit(fn, key), (self.params, self.draft_params, self.store, batch[0], self.cache,
+                                            *batch[1:])
             _, k, b, ctx = key
             slots, state = shd.abstract_state((jax.ShapeDtypeStruct((b,), jnp.int32), self._state_struct(b, ctx)),
                                               self.mesh, self.split_pages)
-            return self._jit(self._decode[k], key), (self.params, self.draft_params, self.store, slots, state)
+            fn = self._decode_fn(k, True) if constrained else self._decode[k]
+            return self._jit(fn, key), (self.params, self.draft_params, self.store, slots, state)
 
     def calibrate(self) -> None:
         """Time a decode call per (k, batch bucket, context bucket) on dummy rows: the
@@ -519,7 +542,7 @@ class ModelRunner:
         inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
                       sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b), history=history,
                       prompt_lens=prompt_lens, resume=resume)
-        return ("prefill", b, c), inputs
+        return ("prefill" + _grammar_suffix(chunks and [ch and ch[0] for ch in chunks]), b, c), inputs
 
     def run_prefill(self, key: tuple, inputs: dict) -> tuple[np.ndarray, tuple | None]:
         """(the token sampled at each row's chunk end [b], its logprob entries when a row asked, or None)."""
@@ -572,7 +595,7 @@ class ModelRunner:
         # Host arrays only: a jnp.zeros here would compile a fill op per new shape while serving.
         inputs = dict(table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
                       slots=slots, sampling=DeviceSampling.pack(rows, b))
-        return ("decode", k, b, ctx), inputs
+        return ("decode" + _grammar_suffix(rows), k, b, ctx), inputs
 
     def _state(self, x: dict, ctx: int) -> SpecState:
         """The loop carry of a call from its (device) inputs, drafter state aside."""

@@ -25,6 +25,7 @@ class Request:
     params: SamplingParams = GREEDY  # max_tokens, temperature, top_p, top_k (by reference)
     seed: int = 0  # this sample's noise key
     stop_token_ids: tuple[int, ...] = ()
+    grammar: object = None  # a grammar.matcher.Grammar for params.structured_outputs (one per sample)
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class RowInput:
     # prefill chunk starting there resumes after a prefix this sequence never computed.
     cached: int = 0
     shard: int | None = None  # split pages: the data shard the sequence is pinned to (checked against its row)
+    grammar: object = None  # a grammar.matcher.Grammar: the sequence's structured-output constraint
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import forward
 from jaxspec.pallas import use_kernel
 from jaxspec.speculative.commit import commit_accepted_kv
+from jaxspec.speculative.grammar import constrain, tree_parents
 from jaxspec.speculative.logprobs import TokenLogprobs, path_entries, record
 from jaxspec.speculative.penalties import penalize_tree
 from jaxspec.speculative.sampling import argmax_last, coupled_predict, make_verify_noise, target_probs_from_logits
@@ -74,6 +75,9 @@ class SpecPlan:
     drafts_in_steps: bool = True  # tree depth bounded by num_steps (else by num_draft_tokens)
     variable_draft_width: bool = False  # drafts often end in padding: verify at narrower widths
     logprobs_mode: str = "raw"  # which distribution logprobs report (engine.logprobs_mode)
+    # The build for batches with a structured-output row: the verify applies each node's grammar
+    # mask, fetched from the host once per iteration (speculative/grammar.py).
+    constrained: bool = False
 
     @property
     def chain(self) -> bool:
@@ -245,6 +249,8 @@ def verify_phase(plan: SpecPlan, cfg: ModelConfig, params, s: SpecState, tokens,
     cache, raw, feats = _verify_forward(plan, cfg, params, s, tokens, tree, seq_lens, live, want)
     # Penalties, bias, min_tokens: each node under its own prefix (speculative/penalties.py).
     logits = penalize_tree(raw, s.sampling, s.history, s.hist_len, s.prompt_lens, tokens, tree)
+    if plan.constrained:  # each node under its grammar mask (speculative/grammar.py: why this is exact)
+        logits = constrain(logits, s.sampling.grammar, s.history, s.hist_len, s.prompt_lens, tokens, tree_parents(tree))
     result = _verify(plan, tree, tokens, logits, draft_probs, s)
     if plan.simulate_accept_length:
         result = _simulate(plan, result, logits)
