@@ -27,6 +27,7 @@ import torch
 from jaxspec import LLM, SamplingParams
 from jaxspec.sampling_params import SamplingError, StructuredOutputs
 from tests.conftest import make_tiny_hf
+from tests.test_loop_distribution import tiny  # noqa: F401  (the module-scoped V = 8 target fixture)
 
 ENGINE = dict(max_batch_size=4, max_context=256, length_buckets=(32, 64, 128, 256), page_size=8)
 
@@ -179,17 +180,17 @@ def chat_hf():
     return make_tiny_hf("llama", vocab_size=49152)  # the model saved in conftest's chat_model_dir
 
 
-def _llm(chat_model_dir, chat_hf, tmp_path, name):
+def _llm(chat_model_dir, chat_hf, tmp_path, name, **engine):
     from tests.heads_fixtures import write_block_head, write_eagle3_head
 
-    spec = SPECS[name]
+    spec, engine = SPECS[name], {**ENGINE, **engine}
     if spec is None or spec["algorithm"] == "ngram":
-        return LLM(str(chat_model_dir), spec=spec and {**spec, "adaptive": "off"}, progress=False, **ENGINE)
+        return LLM(str(chat_model_dir), spec=spec and {**spec, "adaptive": "off"}, progress=False, **engine)
     write = {"eagle3": lambda d: write_eagle3_head(d, chat_hf, layer_ids=[0, 1, 1], convention="input"),
              "dflash": lambda d: write_block_head(d, chat_hf, kind="dflash", layer_ids=(0, 1))}[spec["algorithm"]]
     head = write(tmp_path / spec["algorithm"])
     return LLM(str(chat_model_dir), spec={**spec, "adaptive": "off"}, draft_model=str(head), progress=False,
-               **ENGINE)
+               **engine)
 
 
 def hf_constrained_greedy(hf, compiler, prompt, spec, max_tokens, eos=(2,)) -> list[int]:
@@ -234,3 +235,181 @@ def test_the_grammar_changes_the_output(chat_hf, compiler, tokenizer):
     ids = tokenizer.encode(GREEDY_CASES[1][0], add_special_tokens=False)
     free = tokenizer.decode(hf_constrained_greedy(chat_hf, compiler, ids, None, 12))
     assert not re.match(r"\(\d", free), free
+
+
+# ---- 3. validity: every output parses and validates -----------------------------------------------
+
+S = lambda **kw: {"type": "string", "maxLength": 6, **kw}  # noqa: E731
+INT = lambda lo=0, hi=99: {"type": "integer", "minimum": lo, "maximum": hi}  # noqa: E731
+
+
+def OBJ(props, req=None):
+    return {"type": "object", "properties": props, "required": list(props if req is None else req),
+            "additionalProperties": False}
+
+
+# Bounded (string lengths, integer ranges, array sizes), so that even a random model's output
+# ends within max_tokens; nested objects, arrays, enums, consts, anyOf, patterns, numbers.
+SCHEMAS = [
+    OBJ({"name": S()}),
+    OBJ({"age": INT()}),
+    OBJ({"ok": {"type": "boolean"}}),
+    OBJ({"color": {"enum": ["red", "green", "blue"]}}),
+    OBJ({"n": INT(-50, 50), "flag": {"type": "boolean"}}),
+    OBJ({"tags": {"type": "array", "items": S(), "minItems": 1, "maxItems": 3}}),
+    OBJ({"point": OBJ({"x": INT(), "y": INT()})}),
+    OBJ({"user": OBJ({"name": S(), "address": OBJ({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}})})}),
+    OBJ({"v": {"anyOf": [INT(), {"type": "boolean"}]}}),
+    OBJ({"v": {"anyOf": [S(), {"type": "null"}]}}),
+    OBJ({"items": {"type": "array", "items": OBJ({"id": INT(), "label": {"enum": ["a", "b"]}}), "maxItems": 2}}),
+    OBJ({"level": {"enum": [1, 2, 3]}, "mode": {"const": "fast"}}),
+    OBJ({"a": INT(), "b": S()}, req=["a"]),
+    {"type": "array", "items": INT(), "minItems": 2, "maxItems": 4},
+    {"enum": ["yes", "no", "maybe"]},
+    OBJ({"date": {"type": "string", "pattern": "^2026-(0[1-9]|1[0-2])-[0-3][0-9]$"}}),
+    OBJ({"matrix": {"type": "array", "items": {"type": "array", "items": INT(0, 9), "maxItems": 2}, "maxItems": 2}}),
+    OBJ({"kind": {"enum": ["cat", "dog"]}, "legs": INT(0, 8), "name": S(minLength=1)}),
+    OBJ({"status": {"anyOf": [OBJ({"ok": {"const": True}}), OBJ({"error": S()})]}}),
+    {"type": "integer", "minimum": 100, "maximum": 999},
+    OBJ({"price": {"type": "number", "minimum": -10, "maximum": 10}}),
+    OBJ({"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}, "n": INT(1, 3)}),
+]
+REGEXES = [r"\d{3}-\d{4}", r"(red|green|blue) (car|bike)", r"[A-Z][a-z]{2,5}", r"(yes|no)!?"]
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3-tree", "dflash"])
+def test_outputs_parse_and_validate(chat_model_dir, chat_hf, tmp_path, name):
+    import jsonschema
+
+    llm = _llm(chat_model_dir, chat_hf, tmp_path, name, max_batch_size=16, batch_buckets=(16,))
+    cases = [{"json": s} for s in SCHEMAS] + [{"regex": r} for r in REGEXES]
+    params = [SamplingParams(max_tokens=96, structured_outputs=c) for c in cases]
+    outs = llm.generate(["Answer in the format asked."] * len(cases), params)
+    for case, out in zip(cases, outs):
+        o = out.outputs[0]
+        if "regex" in case:
+            assert re.fullmatch(case["regex"], o.text), (name, case, o.text)
+            continue
+        if o.finish_reason == "length" and "number" in json.dumps(case):
+            continue  # an unbounded fraction ("0.1234...") may outlast max_tokens: valid, unfinished
+        assert o.finish_reason == "stop", (name, case, o.text)
+        jsonschema.validate(json.loads(o.text), case["json"])
+
+
+# ---- 4. sampled, end to end: chi-square of the first three tokens ---------------------------------
+
+# A path-dependent language over the V = 8 target's letters: what may follow depends on the tokens
+# before it (after "c", anything; after "a" only "b"), and every word has at least 3 letters.
+V8_REGEX = r"(ab|ba|cc)[de]f?|c[a-f][a-f]"
+V8_LETTERS = "abcdef"  # token ids 2..7; 0 = BOS, 1 = EOS
+V8_EOS = 1
+
+
+class _V8Tokenizer:
+    """The V = 8 target's vocabulary as bytes, for llguidance (one letter per token)."""
+
+    eos_token_id, bos_token_id, special_token_ids = V8_EOS, 0, [0, 1]
+    tokens = [b"<s>", b"</s>"] + [c.encode() for c in V8_LETTERS]
+
+    def __call__(self, s) -> list[int]:  # str or bytes; what is not a letter has no token
+        text = s.decode(errors="replace") if isinstance(s, bytes) else s
+        return [2 + V8_LETTERS.index(c) for c in text if c in V8_LETTERS]
+
+
+@pytest.fixture(scope="module")
+def v8_compiler():
+    import llguidance
+
+    from jaxspec.grammar.matcher import GrammarCompiler
+
+    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_V8Tokenizer()))
+    return GrammarCompiler(None, 8, (V8_EOS,), ll_tokenizer=ll)
+
+
+def v8_language() -> list[str]:
+    return [w for n in (3, 4) for w in map("".join, itertools.product(V8_LETTERS, repeat=n))
+            if re.fullmatch(V8_REGEX, w)]
+
+
+def exact_constrained_joint(hf, temperature: float) -> np.ndarray:
+    """P(first three tokens) of plain constrained sampling: HF logits of every prefix, the tokens the
+    regex's (enumerated) language allows after it, softmax at `temperature`, in float64."""
+    from tests.test_loop_distribution import PROMPT, VOCAB
+
+    words = v8_language()
+
+    def dist(out: list[int]) -> np.ndarray:
+        prefix = "".join(V8_LETTERS[t - 2] for t in out)
+        allowed = {2 + V8_LETTERS.index(w[len(prefix)]) for w in words if w.startswith(prefix) and len(w) > len(prefix)}
+        allowed |= {V8_EOS} if prefix in words else set()
+        with torch.no_grad():
+            z = hf(torch.tensor([PROMPT + out])).logits[0, -1].double().numpy() / temperature
+        z = np.where(np.isin(np.arange(VOCAB), sorted(allowed)), z, -np.inf)
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    joint = np.zeros((VOCAB,) * 3)
+    p1 = dist([])
+    for a in np.nonzero(p1)[0]:
+        p2 = dist([int(a)])
+        for b in np.nonzero(p2)[0]:
+            joint[a, b] = p1[a] * p2[b] * dist([int(a), int(b)])
+    return joint
+
+
+V8_SAMPLED = SamplingParams(max_tokens=3, temperature=1.0)
+
+
+def constrained_first_three(engine, compiler, seeds=range(20_000)):
+    from jaxspec.engine import Request
+    from tests.test_loop_distribution import PROMPT
+
+    spec = StructuredOutputs(regex=V8_REGEX)
+    out = engine.generate([Request(list(PROMPT), V8_SAMPLED, seed=s, stop_token_ids=(V8_EOS,),
+                                   grammar=compiler.matcher(spec)) for s in seeds])
+    # Every word has 3+ letters, so only a broken loop stops early: its rows are padded with EOS.
+    toks = np.array([(r.output_ids + [V8_EOS] * 3)[:3] for r in out])
+    return toks, np.concatenate([r.accept_lengths for r in out])
+
+
+@pytest.fixture(scope="module")
+def v8_engines(tiny, tmp_path_factory):  # noqa: F811
+    """(HF model, engine factory by name) on the V = 8 target: n-gram, EAGLE-3 tree (rejection rule)."""
+    from jaxspec.config import SpecSection
+    from tests.heads_fixtures import feature_heads_v8
+    from tests.test_feature_distribution import build_engine, spec_of
+    from tests.test_loop_distribution import engine_for
+
+    model, hf = tiny
+    heads = feature_heads_v8(tmp_path_factory.mktemp("v8_heads"), hf)
+    make = {"ngram": lambda: engine_for(model, SpecSection(algorithm="ngram", num_draft_tokens=4, verify="rejection")),
+            "eagle3-tree": lambda: build_engine(model, spec_of(heads, "eagle3-tree"))}
+    return hf, lambda name: make[name]()
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3-tree"])
+def test_constrained_sampling_keeps_the_constrained_distribution(v8_engines, v8_compiler, name):
+    from tests.test_loop_distribution import chi_square_p, joint_counts
+
+    hf, engine = v8_engines
+    toks, accepts = constrained_first_three(engine(name), v8_compiler)
+    # The random heads' drafts mostly break the grammar; enough of them still get accepted that the
+    # accept paths are part of what is tested (~260 steps for the tree, ~1,500 for the n-gram).
+    assert np.sum(accepts > 1) > 150, f"{name}: only {np.sum(accepts > 1)} steps accepted a draft"
+    words = v8_language()
+    assert all(any(w.startswith("".join(V8_LETTERS[t - 2] for t in row)) for w in words) for row in toks[:200])
+    p = chi_square_p(joint_counts(toks), exact_constrained_joint(hf, 1.0))
+    assert p > 1e-4, f"{name}: joint of the first 3 constrained tokens, chi-square p={p:.2e}"
+
+
+def test_chi_square_detects_a_verify_without_the_mask(v8_engines, v8_compiler, monkeypatch):
+    """Positive control: the verify step's grammar mask skipped (the prefill's first token keeps its
+    own), in a fresh engine so its programs are traced that way."""
+    from jaxspec.speculative import loop
+    from tests.test_loop_distribution import chi_square_p, joint_counts
+
+    hf, engine = v8_engines
+    monkeypatch.setattr(loop, "constrain", lambda logits, *args: logits)
+    toks, _ = constrained_first_three(engine("ngram"), v8_compiler, seeds=range(4000))
+    p = chi_square_p(joint_counts(toks), exact_constrained_joint(hf, 1.0))
+    assert p < 1e-6, f"a verify without the grammar mask went unnoticed: p={p:.2e}"

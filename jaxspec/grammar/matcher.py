@@ -52,6 +52,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int], ll_tokenizer=None):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, int(vocab_size), tuple(eos_ids)
         self._ll = ll_tokenizer
+        self._templates: dict[str, object] = {}  # grammar text -> a fresh matcher to copy (insertion = LRU order)
 
     @property
     def ll_tokenizer(self):
@@ -72,10 +73,15 @@ class GrammarCompiler:
         grammar with this tokenizer (what the tokenizer-free check of `StructuredOutputs` cannot see)."""
         import llguidance
 
-        m = llguidance.LLMatcher(self.ll_tokenizer, spec.lark, log_level=0)
-        if m.is_error():
-            raise ValueError(f"{spec.field}: {m.get_error().strip()}")
-        return Grammar(m, self.vocab_size, self.eos_ids)
+        template = self._templates.pop(spec.lark, None)
+        if template is None:  # a new grammar: built once, then copied (a copy skips the compile)
+            template = llguidance.LLMatcher(self.ll_tokenizer, spec.lark, log_level=0)
+            if template.is_error():
+                raise ValueError(f"{spec.field}: {' '.join(template.get_error().split())}")
+        self._templates[spec.lark] = template
+        while len(self._templates) > 64:
+            self._templates.pop(next(iter(self._templates)))
+        return Grammar(template.deep_copy(), self.vocab_size, self.eos_ids)
 
 
 class Grammar:
