@@ -250,7 +250,7 @@ async def _collect(server: Server, request: Request, kind: str, rid: str, seqs, 
     if p.echo or p.logprobs is not None:  # echo scores the prompt: a forward, off the event loop
         texts, logprobs = await asyncio.to_thread(_choice_logprobs, server, kind, prompts, p, texts, ids, lps)
     return protocol.response(kind, rid, server.model_name, list(zip(texts, reasons)), prompt_tokens,
-                             completion_tokens, logprobs, _cached_tokens(seqs, p.n))
+                             completion_tokens, logprobs, _cached_tokens(seqs, p.n), tool_call=p.tool_call)
 
 
 def _choice_logprobs(server: Server, kind: str, prompts: list[list[int]], p, texts: list[str],

@@ -18,6 +18,7 @@ import numpy as np
 from jaxspec.prompts import PromptError, check_messages
 from jaxspec.sampling_params import (SamplingError, SamplingParams, check_logit_bias, check_stop, check_token_ids,
                                      check_value)
+from jaxspec.serve.structured import parse_structured, tool_calls
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -51,6 +52,8 @@ class GenParams(SamplingParams):
     # with the N likeliest at each position (the prompt's too with echo; engine/scoring.py).
     echo: bool = False
     logprobs: int | None = None
+    # tools + tool_choice (chat): "required" or the named function; the reply is returned as tool_calls.
+    tool_call: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +182,16 @@ def parse_gen_params(body: dict, default_max_tokens: int, defaults: dict | None 
         raise APIError(400, str(e), e.field) from None
     if penalties["min_tokens"] > max_tokens:
         raise bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {penalties['min_tokens']}")
+    # Structured output (serve/structured.py): response_format, structured_outputs, guided_*, tools.
+    if kind == "completion" and (body.get("tools") is not None or body.get("tool_choice") is not None):
+        raise bad("tools" if body.get("tools") is not None else "tool_choice", "is a chat field")
+    try:
+        structured, tool_call = parse_structured(body)
+    except SamplingError as e:
+        raise APIError(400, str(e), e.field) from None
     return GenParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                      stop=stop, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos, echo=echo,
-                     logprobs=logprobs, **penalties)
+                     logprobs=logprobs, structured_outputs=structured, tool_call=tool_call, **penalties)
 
 
 def _token_list(v, vocab: int, param: str) -> list[int]:
@@ -255,13 +265,15 @@ def parse_chat(body: dict, tokenizer, default_max_tokens: int, defaults: dict | 
         raise bad("messages", str(e).removeprefix("messages: ")) from None
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the model has no chat template; use /v1/completions", "messages")
+    params = parse_gen_params(body, default_max_tokens, defaults)  # tools checked before the template sees them
+    tools = {"tools": body["tools"]} if body.get("tools") else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **tools)
     except Exception as e:  # the template itself may reject a conversation (jinja raise_exception)
         raise bad("messages", f"the chat template rejected these messages: {str(e).splitlines()[0][:200]}") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    return ParsedRequest("chat", [list(ids)], parse_gen_params(body, default_max_tokens, defaults))
+    return ParsedRequest("chat", [list(ids)], params)
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -278,12 +290,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _message(text: str, finish: str, tool_call: str | None) -> tuple[dict, str]:
+    """(the chat message, its finish_reason): a finished constrained tool call becomes tool_calls
+    (OpenAI: finish_reason "tool_calls" when the model chose to call, "stop" for a named function)."""
+    if tool_call is None or finish != "stop":
+        return {"role": "assistant", "content": text}, finish
+    return ({"role": "assistant", "content": None, "tool_calls": tool_calls(text, tool_call)},
+            "tool_calls" if tool_call == "required" else "stop")
+
+
 def response(kind: str, rid: str, model: str, choices: list[tuple[str, str]], prompt_tokens: int,
-             completion_tokens: int, logprobs: list[dict] | None = None, cached_tokens: int = 0) -> dict:
-    """choices: (text, finish_reason) in index order; logprobs: each choice's, when asked."""
+             completion_tokens: int, logprobs: list[dict] | None = None, cached_tokens: int = 0,
+             tool_call: str | None = None) -> dict:
+    """choices: (text, finish_reason) in index order; logprobs: each choice's, when asked; tool_call:
+    the request's tool-call mode (GenParams.tool_call)."""
     if kind == "chat":
-        body = [{"index": i, "message": {"role": "assistant", "content": t},
-                 "logprobs": logprobs[i] if logprobs else None, "finish_reason": f} for i, (t, f) in enumerate(choices)]
+        body = []
+        for i, (t, f) in enumerate(choices):
+            message, f = _message(t, f, tool_call)
+            body.append({"index": i, "message": message, "logprobs": logprobs[i] if logprobs else None,
+                         "finish_reason": f})
         obj = "chat.completion"
     else:
         body = [{"index": i, "text": t, "logprobs": logprobs[i] if logprobs else None, "finish_reason": f}

@@ -87,6 +87,7 @@ class Seq:
     num_preemptions: int = 0
     detok: IncrementalDetokenizer | None = None
     stopper: StopStringMatcher | None = None
+    grammar: object = None  # grammar.matcher.Grammar of a structured-output request
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -338,7 +339,7 @@ class Scheduler:
             tokens=seq.tokens, prompt_len=len(seq.prompt_ids),
             page_row=self.allocator.page_table_row(seq.seq_id, self.runner.max_pages), slot=seq.slot,
             params=seq.params, seed=seq.seed, stop_ids=seq.stop_ids, shard=seq.shard if self.num_shards > 1 else None,
-            cached=seq.prefix_hit,
+            cached=seq.prefix_hit, grammar=seq.grammar,
         )
 
     def _prefill_step(self) -> None:
@@ -478,6 +479,8 @@ class Scheduler:
             if seq in group:
                 group.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq.grammar is not None:
+            seq.grammar.release()
         if self.metrics is not None:
             self.metrics.finished(seq, reason)
         event = last or Event("", [])

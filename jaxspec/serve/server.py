@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 
 from jaxspec.config import Config
 from jaxspec.engine.adaptive import AdaptiveSteps
@@ -37,6 +38,7 @@ class Server:
     # serve.generation_config = "auto", as vLLM does) before the OpenAI defaults.
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     _scorer: object = dataclasses.field(default=None, repr=False)
+    _grammars: object = dataclasses.field(default=None, repr=False)  # GrammarCompiler, on first use
 
     @property
     def vocab_size(self) -> int:
@@ -88,10 +90,27 @@ class Server:
         why = self.scheduler.check(len(prompt_ids), params)
         if why is not None:
             raise APIError(400, f"max_tokens: {why}", "max_tokens")
-        seq = Seq(list(prompt_ids), params, on_event, seed=seed, stop_ids=stop_ids)
+        seq = Seq(list(prompt_ids), params, on_event, seed=seed, stop_ids=stop_ids,
+                  grammar=self.grammar(params.structured_outputs))
         self.metrics.admitted(len(prompt_ids))
         self.scheduler.submit(seq)
         return seq
+
+    def grammar(self, spec):
+        """A fresh matcher for one sequence of a constrained request (grammar/matcher.py), or None."""
+        if spec is None:
+            return None
+        if jax.process_count() > 1:
+            raise APIError(400, f"{spec.field}: structured output is not supported on a multi-host server",
+                           spec.field)
+        if self._grammars is None:
+            from jaxspec.grammar.matcher import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_ids)
+        try:
+            return self._grammars.matcher(spec)
+        except ValueError as e:
+            raise APIError(400, str(e), spec.field) from None
 
     def random_seed(self) -> int:
         return secrets.randbits(32)
