@@ -179,7 +179,7 @@ def with_model_sampling(cfg, rebuild, quiet: bool = False):
 INPUT_FIELDS = frozenset({"messages", "prompt", "prompt_ids", "_where"})
 # SamplingParams fields a JSONL line may set beyond ENGINE_FIELDS (checked by SamplingParams itself).
 LINE_FIELDS = ("prompt_logprobs", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "logit_bias", "min_tokens", "stop_token_ids")
+               "logit_bias", "min_tokens", "stop_token_ids", "structured_outputs")
 
 
 def line_sampling(entry: dict, s, i: int):

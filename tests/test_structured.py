@@ -413,3 +413,26 @@ def test_chi_square_detects_a_verify_without_the_mask(v8_engines, v8_compiler, m
     toks, _ = constrained_first_three(engine("ngram"), v8_compiler, seeds=range(4000))
     p = chi_square_p(joint_counts(toks), exact_constrained_joint(hf, 1.0))
     assert p < 1e-6, f"a verify without the grammar mask went unnoticed: p={p:.2e}"
+
+
+def test_cli_jsonl_lines_take_structured_outputs(chat_model_dir, tmp_path, capsys):
+    """The CLI's JSONL field: a line's structured_outputs constrains its output (n-gram speculation),
+    a bad one fails naming the line and the field, before anything is generated."""
+    from jaxspec.generate import main
+
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"prompt": "Code:", "structured_outputs": {"regex": r"[A-Z]{2}\d{3}"}},
+             {"prompt": "Pick:", "structured_outputs": {"choice": ["left", "right"]}, "max_new_tokens": 8},
+             {"prompt": "Free text"}]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "o.jsonl"
+    argv = ["--model", str(chat_model_dir), "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "12",
+            "--spec", "ngram", "--max-context", "128", "--set", "engine.max_batch_size=4"]
+    assert main(argv) == 0, capsys.readouterr().err
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert re.fullmatch(r"[A-Z]{2}\d{3}", got[0]["text"]) and got[1]["text"] in ("left", "right")
+    assert not re.fullmatch(r"[A-Z]{2}\d{3}", got[2]["text"])  # control: an unconstrained line is free
+    prompts.write_text(json.dumps({"prompt": "x", "structured_outputs": {"regex": "a(b"}}) + "\n")
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "structured_outputs.regex is not valid" in err and "Traceback" not in err
