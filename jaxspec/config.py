@@ -171,6 +171,11 @@ class ServeSection:
     # "auto": temperature / top_p / top_k a request leaves out default to the model's
     # generation_config.json (vLLM's --generation-config auto); "none": the OpenAI defaults.
     generation_config: str = "auto"
+    # Structured output runs "+grammar" builds of the programs, which cannot be stored on disk (a host
+    # callback lives in them): true compiles them in a background thread once the server is ready,
+    # so the first constrained request of a bucket does not stall on its compile; false compiles each
+    # on first use.
+    grammar_warmup: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

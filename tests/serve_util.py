@@ -18,6 +18,7 @@ SERVE_CFG = {
     "serve.prefill_chunk": 64, "serve.max_prefill_batch": 1, "serve.adaptive_steps": "0,3",
     "serve.steps_per_call": 4, "serve.max_body_bytes": 65536,
     "serve.compilation_cache": "off",  # every test compiles for real: the no-recompile checks stay honest
+    "serve.grammar_warmup": False,  # no background compiles beside the tests (and their compile counts)
 }
 
 

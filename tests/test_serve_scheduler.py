@@ -73,7 +73,9 @@ def test_standalone_drafter_through_preemption_is_exact(tiny_dirs, reference):
     server = build_server(config(path, **{"spec.algorithm": "standalone", "spec.draft_layers": 1,
                                           "spec.num_draft_tokens": 4, "serve.adaptive_steps": "0,3",
                                           "engine.num_pages": 25}), progress=False)
-    server.runner.calibrate()
+    from jaxspec.engine.adaptive import calibrate
+
+    calibrate(server.runner)
     server.scheduler.adaptive.cost.update(server.runner.decode_seconds)
     got, seqs = run_all(server, PROMPTS, NEW)
     assert got == reference

@@ -197,3 +197,48 @@ def test_constrained_requests_under_load_all_finish(served):
             assert ch.finish_reason == "length" and r.usage.completion_tokens == 64
     assert metric(url, "jaxspec_preemptions_total") > before
     assert wait_for_idle(server)
+
+
+def test_grammar_builds_compile_in_the_background(chat_model_dir):
+    """serve.grammar_warmup: once the server is ready, a thread compiles every bucket's "+grammar"
+    build (they cannot be stored), and shutdown waits for it; a constrained request then compiles
+    nothing. Control: without the warm-up, the same request compiles its programs."""
+    from jaxspec.engine.runner import GRAMMAR
+    from jaxspec.serve.server import build_server
+    from tests.serve_util import serve_config
+
+    small = {"spec.algorithm": "none", "engine.batch_buckets": "1", "engine.max_batch_size": 1,
+             "serve.context_buckets": "64", "serve.adaptive": False}
+    for warm in (True, False):
+        server = build_server(serve_config(chat_model_dir, **small, **{"serve.grammar_warmup": warm}), progress=False)
+        try:
+            server.warm_up()
+            if warm:
+                server._warmup.join(timeout=600)
+                assert set(server.runner.all_keys(GRAMMAR)) <= set(server.runner._compiled)
+            before = server.runner.num_compiles
+            done = []
+            seq = server.submit(server.tokenizer.encode("Hi", add_special_tokens=False),
+                                _params(server, {"guided_choice": ["on", "off"]}), 0, done.append, "prompt")
+            assert _wait(lambda: seq.finish_reason is not None)
+            assert seq.finish_reason == "stop"
+            assert (server.runner.num_compiles == before) == warm
+        finally:
+            server.shutdown()
+
+
+def _params(server, extra):
+    from jaxspec.serve.protocol import parse_gen_params
+
+    return parse_gen_params({"max_tokens": 8, "temperature": 0, **extra}, 16, kind="completion")
+
+
+def _wait(cond, timeout=300.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False

@@ -161,6 +161,10 @@ SPECS = {
     "eagle3-chain": {"algorithm": "eagle3", "topk": 1, "num_steps": 3, "num_draft_tokens": 4},
     "eagle3-tree": {"algorithm": "eagle3", "topk": 2, "num_steps": 2, "num_draft_tokens": 5},
     "dflash": {"algorithm": "dflash", "num_draft_tokens": 4},
+    "dspark": {"algorithm": "dspark", "num_draft_tokens": 4, "sps_table": "flat"},
+    "medusa-tree": {"algorithm": "medusa", "topk": 2, "num_steps": 2, "num_draft_tokens": 5},
+    "mlp_speculator": {"algorithm": "mlp_speculator", "num_draft_tokens": 4},
+    "standalone": {"algorithm": "standalone", "draft_layers": 1, "num_steps": 3, "num_draft_tokens": 4},
 }
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -181,13 +185,16 @@ def chat_hf():
 
 
 def _llm(chat_model_dir, chat_hf, tmp_path, name, **engine):
-    from tests.heads_fixtures import write_block_head, write_eagle3_head
+    from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head, write_mlp_speculator
 
     spec, engine = SPECS[name], {**ENGINE, **engine}
-    if spec is None or spec["algorithm"] == "ngram":
+    if spec is None or spec["algorithm"] in ("ngram", "standalone"):
         return LLM(str(chat_model_dir), spec=spec and {**spec, "adaptive": "off"}, progress=False, **engine)
     write = {"eagle3": lambda d: write_eagle3_head(d, chat_hf, layer_ids=[0, 1, 1], convention="input"),
-             "dflash": lambda d: write_block_head(d, chat_hf, kind="dflash", layer_ids=(0, 1))}[spec["algorithm"]]
+             "dflash": lambda d: write_block_head(d, chat_hf, kind="dflash", layer_ids=(0, 1)),
+             "dspark": lambda d: write_block_head(d, chat_hf, kind="dspark", layer_ids=(0, 1)),
+             "medusa": lambda d: write_medusa_head(d, chat_hf, num_heads=3),
+             "mlp_speculator": lambda d: write_mlp_speculator(d, chat_hf, n_predict=3)}[spec["algorithm"]]
     head = write(tmp_path / spec["algorithm"])
     return LLM(str(chat_model_dir), spec={**spec, "adaptive": "off"}, draft_model=str(head), progress=False,
                **engine)
@@ -277,7 +284,7 @@ SCHEMAS = [
 REGEXES = [r"\d{3}-\d{4}", r"(red|green|blue) (car|bike)", r"[A-Z][a-z]{2,5}", r"(yes|no)!?"]
 
 
-@pytest.mark.parametrize("name", ["ngram", "eagle3-tree", "dflash"])
+@pytest.mark.parametrize("name", ["ngram", "eagle3-chain", "eagle3-tree", "dflash"])
 def test_outputs_parse_and_validate(chat_model_dir, chat_hf, tmp_path, name):
     import jsonschema
 
@@ -436,3 +443,27 @@ def test_cli_jsonl_lines_take_structured_outputs(chat_model_dir, tmp_path, capsy
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert "structured_outputs.regex is not valid" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3-tree"])
+def test_constrained_sampling_under_the_coupled_rule_equals_plain(chat_model_dir, chat_hf, tmp_path, name):
+    """The default verify (auto: the coupled rule) races every node against plain sampling's noise at
+    its position: with the mask applied to what it races, a seeded constrained request gives plain
+    constrained sampling's tokens, whatever drafts them."""
+    plain = _llm(chat_model_dir, chat_hf, tmp_path, None)
+    spec = _llm(chat_model_dir, chat_hf, tmp_path, name)
+    prompts = ["Describe a person as JSON", "Phone number:", "Yes or no?"]
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11 + i, structured_outputs=so)
+              for i, (_, so) in enumerate(GREEDY_CASES[:3])]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert all(o.outputs[0].accept_lengths for o in got)  # the drafter ran
+
+
+def test_a_grammar_longer_than_max_tokens_ends_with_length(chat_model_dir, chat_hf, tmp_path):
+    """A grammar that cannot be complete within max_tokens stops at max_tokens with finish_reason
+    "length" (no hang), its text a prefix the grammar allows."""
+    llm = _llm(chat_model_dir, chat_hf, tmp_path, "ngram")
+    out = llm.generate("Count:", SamplingParams(max_tokens=10, structured_outputs={"regex": "a{200}"}))[0].outputs[0]
+    assert out.finish_reason == "length" and re.fullmatch("a+", out.text) and len(out.token_ids) == 10

@@ -13,6 +13,8 @@ memory-bandwidth roofline.
     python -m jaxspec.bench serve --url http://127.0.0.1:8000   # a running server, one mode
     python -m jaxspec.bench serve --workload multiturn          # multi-turn replay, prefix cache on/off
                                                                 # (jaxspec/bench/multiturn.py)
+    python -m jaxspec.bench serve --workload constrained --concurrency 1,8   # JSON schema vs free
+                                                                # (jaxspec/bench/constrained.py)
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def hf_and_roofline(args, prompts: list[str]) -> tuple[float, float]:
 
 # Defaults that differ by workload: multi-turn prompts grow with every turn.
 WORKLOAD_DEFAULTS = {"single": {"max_tokens": 128, "max_context": 1024, "modes": "off,on,adaptive"},
-                     "multiturn": {"max_tokens": 64, "max_context": 2048, "modes": "off,on"}}
+                     "multiturn": {"max_tokens": 64, "max_context": 2048, "modes": "off,on"},
+                     "constrained": {"max_tokens": 160, "max_context": 1024, "modes": "off,on"}}
 
 
 def main(argv=None) -> int:
@@ -206,7 +209,8 @@ def main(argv=None) -> int:
                    "logprobs (top_logprobs 1), side by side (issue 26)")
     p.add_argument("--workload", choices=list(WORKLOAD_DEFAULTS), default="single",
                    help="single: one-turn requests; multiturn: ShareGPT conversations replayed turn by "
-                   "turn, prefix cache on and off")
+                   "turn, prefix cache on and off; constrained: JSON-schema requests vs unconstrained ones of "
+                   "the same lengths (jaxspec/bench/constrained.py)")
     multiturn.add_arguments(p)
     args = p.parse_args(argv)
     for key, value in WORKLOAD_DEFAULTS[args.workload].items():
@@ -215,6 +219,10 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.workload == "multiturn":
         return multiturn.run(args, levels)
+    if args.workload == "constrained":
+        from jaxspec.bench import constrained
+
+        return constrained.run(args, levels)
     prompts = load_prompts(args.prompts, args.num_prompts)
 
     if args.url:

@@ -151,3 +151,28 @@ class EngineAdaptive:
             parts.append(f"batch {b} ctx {ctx}: {runs}")
         return (f"adaptive: {'; '.join(parts)} (E[tokens/step] at k={self.depth}: "
                 f"{self.steps.expected_tokens(self.depth):.2f})")
+
+
+def calibrate(runner) -> None:
+    """Time a decode call per (k, batch bucket, context bucket) of a serving `ModelRunner` on dummy
+    rows, into runner.decode_seconds: the policy's prior for draft lengths it has not tried yet in
+    a bucket."""
+    import time
+
+    import numpy as np
+
+    from jaxspec.engine.types import RowInput
+    from jaxspec.sampling_params import SamplingParams
+
+    endless = SamplingParams(max_tokens=10**6)
+    for k in runner.candidates:
+        for b in runner.batch_buckets:
+            for ctx in runner.context_buckets:
+                rows = [RowInput(tokens=[1] * 8, prompt_len=8, page_row=np.zeros(runner.max_pages, np.int32),
+                                 slot=runner.num_slots, params=endless) for _ in range(b)]
+                times = []
+                for _ in range(2):  # the first call warms up
+                    t0 = time.perf_counter()
+                    _, iters = runner.decode(k, rows, ctx)
+                    times.append((time.perf_counter() - t0) / max(iters, 1))
+                runner.decode_seconds[(k, (b, ctx))] = times[-1]

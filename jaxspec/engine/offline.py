@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxspec.config import EngineSection
+from jaxspec.engine.checks import check_request
 from jaxspec.engine.phases import decode_phases
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import Request, RequestError, Result, RowInput, TokenScores, bucket_for
@@ -103,7 +104,7 @@ class Engine:
     # ---- generation --------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
-        self.runner.check_request(req.prompt_ids, req.params, req.stop_token_ids)
+        check_request(self.runner, req.prompt_ids, req.params, req.stop_token_ids)
 
     def plan(self, requests: Sequence[Request]) -> list[tuple[list[int], tuple[int, int, int]]]:
         """Split requests into batches and choose each batch's bucket."""

@@ -28,7 +28,9 @@ def decode_phases(r: ModelRunner, k: int, rows: Sequence[RowInput], ctx: int, ti
     if r.split_pages:  # the phases are jitted apart, not per data shard
         raise RequestError("profile_phases needs one page pool: build the Engine with split_pages=False")
     s, slots = loop_state(r, k, rows, ctx)
-    draft, verify, commit, observe = make_phase_fns(r.plans[k], r.cfg, r.drafters[k])
+    constrained = any(row is not None and row.grammar is not None for row in rows)  # the "+grammar" build
+    draft, verify, commit, observe = make_phase_fns(dataclasses.replace(r.plans[k], constrained=constrained),
+                                                    r.cfg, r.drafters[k])
     try:
         with r.mesh_context():
             for it in range(r.steps_per_call or ctx):

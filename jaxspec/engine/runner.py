@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import hashlib
 import sys
-import time
+import threading
 from typing import Sequence
 
 import jax
@@ -64,7 +64,6 @@ from jaxspec.engine.types import RequestError, RowInput, RowOutput, TokenScores,
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
-from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters import algorithm_info, build_drafter, registration, reserve_tokens
 from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
@@ -170,6 +169,7 @@ class ModelRunner:
         self._decode = {k: self._decode_fn(k) for k in self.candidates}
         self._prefill = self._prefill_fn()
         self._compiled: dict[tuple, object] = {}
+        self._compile_lock = threading.Lock()
         self.num_compiles = 0
         self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration
 
@@ -343,9 +343,10 @@ class ModelRunner:
             used[d] += 1
         return out
 
-    def all_keys(self) -> list[tuple]:
-        keys = [("prefill", b, c) for b in self.prefill_batches for c in self.chunk_buckets]
-        keys += [("decode", k, b, ctx) for k in self.candidates for b in self.batch_buckets
+    def all_keys(self, suffix: str = "") -> list[tuple]:
+        """Every bucket's key; suffix GRAMMAR: their constrained builds."""
+        keys = [("prefill" + suffix, b, c) for b in self.prefill_batches for c in self.chunk_buckets]
+        keys += [("decode" + suffix, k, b, ctx) for k in self.candidates for b in self.batch_buckets
                  for ctx in self.context_buckets]
         return keys
 
@@ -394,15 +395,18 @@ class ModelRunner:
 
         todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
         for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
-            fn, args = self._trace_args(key)
-            if key[0].endswith(GRAMMAR):  # a host callback lives in it: no stored executable can hold one
-                self._compiled[key] = self._lower(fn, args).compile()
-            else:
-                self._compiled[key] = aot.compile_cached(("runner", key, self.aot_parts(),
-                                                          aot.abstract_signature(args)),
-                                                         lambda fn=fn, args=args: self._lower(fn, args),
-                                                         self.before_load)
-            self.num_compiles += 1
+            with self._compile_lock:  # the server's background warm-up compiles beside the scheduler
+                if key not in self._compiled:
+                    self._compile_one(key)
+
+    def _compile_one(self, key: tuple) -> None:
+        fn, args = self._trace_args(key)
+        if key[0].endswith(GRAMMAR):  # a host callback lives in it: no stored executable can hold one
+            self._compiled[key] = self._lower(fn, args).compile()
+        else:
+            self._compiled[key] = aot.compile_cached(("runner", key, self.aot_parts(), aot.abstract_signature(args)),
+                                                     lambda: self._lower(fn, args), self.before_load)
+        self.num_compiles += 1
 
     def _lower(self, fn, args):
         with self.mesh_context():  # shard_map'd kernels lower against the mesh in context
@@ -435,22 +439,6 @@ class ModelRunner:
             fn = self._decode_fn(k, True) if constrained else self._decode[k]
             return self._jit(fn, key), (self.params, self.draft_params, self.store, slots, state)
 
-    def calibrate(self) -> None:
-        """Time a decode call per (k, batch bucket, context bucket) on dummy rows: the
-        adaptive policy's prior for draft lengths it has not tried yet in a bucket."""
-        for k in self.candidates:
-            for b in self.batch_buckets:
-                for ctx in self.context_buckets:
-                    endless = SamplingParams(max_tokens=10**6)
-                    rows = [RowInput(tokens=[1] * 8, prompt_len=8, page_row=np.zeros(self.max_pages, np.int32),
-                                     slot=self.num_slots, params=endless) for _ in range(b)]
-                    times = []
-                    for _ in range(2):  # the first call warms up
-                        t0 = time.perf_counter()
-                        _, iters = self.decode(k, rows, ctx)
-                        times.append((time.perf_counter() - t0) / max(iters, 1))
-                    self.decode_seconds[(k, (b, ctx))] = times[-1]
-
     def reset_caches(self) -> None:
         """Fresh zeroed caches after a failed call (whose outputs may be poisoned); no cached prefix
         survives them."""
@@ -476,38 +464,6 @@ class ModelRunner:
             self.allocator.drop_cached()
 
     # ---- calls -------------------------------------------------------------------
-
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: Sequence[int]) -> None:
-        """RequestError naming what makes this request impossible to serve here."""
-        from jaxspec.speculative.algorithm import check_request_sampling
-
-        if not prompt_ids:
-            raise RequestError("empty prompt: at least one prompt token is required")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        max_tokens = params.max_tokens  # >= 1: SamplingParams checked it
-        if len(prompt_ids) + max_tokens + self.reserve > self.max_context:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} (+{self.reserve} "
-                               f"draft-tree slots) exceeds the context of {self.max_context} tokens")
-        self.check_token_ids(params, stop_ids)
-        try:
-            check_request_sampling(self.base_plan.verify, params.temperature)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-
-    def check_token_ids(self, params: SamplingParams, stop_ids: Sequence[int]) -> None:
-        """RequestError "<field>: ..." for token ids the device arrays cannot hold: stop ids past
-        MAX_STOP_IDS, stop_token_ids / logit_bias ids outside the vocabulary."""
-        from jaxspec.engine.device_sampling import MAX_STOP_IDS
-
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise RequestError(f"stop_token_ids: at most {MAX_STOP_IDS} stop token ids (the model's EOS included) "
-                               f"are supported, got {len(stop_ids)}")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
-            out = [t for t in ids if t >= self.cfg.vocab_size]
-            if out:
-                raise RequestError(f"{name}: token id {out[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
     # Each call is split in two: the host inputs of a bucket (plain numpy, so a
     # multi-host leader can broadcast them) and running that bucket on them

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from typing import Sequence
 
@@ -35,6 +36,9 @@ from jaxspec.sampling_params import StructuredOutputs
 log = logging.getLogger(__name__)
 
 _IDS = itertools.count()
+# Host time spent in mask callbacks, process-wide (the server's /metrics; `bench serve --workload
+# constrained` reports seconds per call): callbacks, node masks computed, seconds.
+STATS = {"calls": 0, "masks": 0, "seconds": 0.0}
 _LIVE: "weakref.WeakValueDictionary[int, Grammar]" = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 
@@ -122,14 +126,16 @@ class Grammar:
             return
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
-    def tree_masks(self, output: Sequence[int], tokens: np.ndarray, parents: np.ndarray, out: np.ndarray) -> None:
-        """out [N, W] int32 := each node's mask (see the module's "Tree masks").
+    def tree_masks(self, output: Sequence[int], tokens: np.ndarray, parents: np.ndarray, out: np.ndarray) -> int:
+        """out [N, W] int32 := each node's mask (see the module's "Tree masks"); returns how many
+        masks it computed (the reachable nodes).
 
         tokens [N] (node 0 the root, -1 padding), parents [N] (-1 for the root and padding;
         a parent's index is below its child's, the tree convention)."""
         self.sync(output)
         out[:] = -1
         self._fill(out[0])
+        computed = 1
         children: list[list[int]] = [[] for _ in range(len(tokens))]
         for i in range(1, len(tokens)):
             if tokens[i] >= 0 and parents[i] >= 0:
@@ -150,8 +156,10 @@ class Grammar:
             if not m.consume_token(t):  # allowed by the mask yet refused: leave the subtree open
                 continue
             self._fill(out[i])
+            computed += 1
             stack.append((i, False))
             stack.extend((c, True) for c in reversed(children[i]))
+        return computed
 
     def release(self) -> None:
         with _LOCK:
@@ -170,11 +178,17 @@ def batch_masks(ids: np.ndarray, history: np.ndarray, upto: np.ndarray, prompt_l
     ids [B] (-1: unconstrained), history [B, C], upto [B] (row b's committed output is
     history[b, prompt_lens[b]:upto[b]]), tokens / parents [B, N]. Unconstrained rows (and ids no
     longer live: a finished sequence's padding row) get all-allowed masks."""
+    t0 = time.perf_counter()
     b, n = tokens.shape
     out = np.full((b, n, words), -1, np.int32)
+    masks = 0
     for r in range(b):
         g = lookup(ids[r]) if ids[r] >= 0 else None
         if g is None:
             continue
-        g.tree_masks(history[r, prompt_lens[r]: upto[r]], tokens[r], parents[r], out[r])
+        masks += g.tree_masks(history[r, prompt_lens[r]: upto[r]], tokens[r], parents[r], out[r])
+    with _LOCK:
+        STATS["calls"] += 1
+        STATS["masks"] += masks
+        STATS["seconds"] += time.perf_counter() - t0
     return out

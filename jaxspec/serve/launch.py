@@ -184,11 +184,12 @@ def follow_leader(server, log) -> int:
     """Processes other than 0 of a multi-host mesh: compile, then run process 0's device calls."""
     import jax
 
+    from jaxspec.engine.adaptive import calibrate
     from jaxspec.serve.multihost import follow
 
     server.runner.compile(server.runner.all_keys())
     if server.scheduler.adaptive is not None:
-        server.runner.calibrate()  # device calls too: the same ones, in the same order, as the leader's
+        calibrate(server.runner)  # device calls too: the same ones, in the same order, as the leader's
     log.info("process %d following process 0", jax.process_index())
     calls = follow(server.runner)
     log.info("process %d: leader stopped after %d device calls", jax.process_index(), calls)

@@ -15,6 +15,25 @@ disable_created_metrics()  # the *_created series only add noise to every scrape
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class _GrammarCollector:
+    """jaxspec_grammar_mask_{calls,masks,seconds}_total, read from grammar.matcher.STATS at scrape time."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from jaxspec.grammar.matcher import STATS
+
+        yield CounterMetricFamily(self.prefix + "grammar_mask_calls", "Grammar mask callbacks (one per verify or "
+                                  "prefill of a batch with a constrained row)", value=STATS["calls"])
+        yield CounterMetricFamily(self.prefix + "grammar_masks", "Token masks computed (one per reachable tree node)",
+                                  value=STATS["masks"])
+        yield CounterMetricFamily(self.prefix + "grammar_mask_seconds", "Host seconds in grammar mask callbacks",
+                                  value=STATS["seconds"])
+
+
 class ServerMetrics:
     def __init__(self, max_accept_length: int):
         r = self.registry = CollectorRegistry()
@@ -54,6 +73,8 @@ class ServerMetrics:
         self.position_acceptance = Gauge(p + "spec_position_acceptance",
                                          "Fraction of verify steps accepting draft position i (1-based)",
                                          ["position"], registry=r)
+        # Structured output: the host's mask callbacks (grammar/matcher.py keeps the process-wide counts).
+        r.register(_GrammarCollector(p))
         self._accepted = 0
         self._proposed = 0
         self._reached = [0] * max_accept_length  # verify steps drafting position i+1

@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 
 from jaxspec.config import Config
-from jaxspec.engine.adaptive import AdaptiveSteps
+from jaxspec.engine.checks import check_token_ids
+from jaxspec.engine.adaptive import AdaptiveSteps, calibrate
 from jaxspec.serve.metrics import ServerMetrics
 from jaxspec.serve.protocol import APIError, GenParams
 from jaxspec.engine.runner import ModelRunner
@@ -39,6 +40,8 @@ class Server:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     _scorer: object = dataclasses.field(default=None, repr=False)
     _grammars: object = dataclasses.field(default=None, repr=False)  # GrammarCompiler, on first use
+    _warmup: object = dataclasses.field(default=None, repr=False)  # the "+grammar" compile thread
+    _stop_warmup: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -54,7 +57,7 @@ class Server:
         try:
             self.runner.compile(self.runner.all_keys(), progress=progress)
             if self.scheduler.adaptive is not None:
-                self.runner.calibrate()
+                calibrate(self.runner)
                 self.scheduler.adaptive.cost.update(self.runner.decode_seconds)
         except Exception as e:
             self.startup_error = f"{type(e).__name__}: {e}"
@@ -63,6 +66,24 @@ class Server:
         self.scheduler.start()
         self.ready.set()
         log.info("compiled %d buckets in %.1fs", self.runner.num_compiles, time.perf_counter() - t0)
+        if self.cfg.serve.grammar_warmup and jax.process_count() == 1:
+            self._warmup = threading.Thread(target=self._grammar_warmup, name="jaxspec-grammar-warmup", daemon=True)
+            self._warmup.start()
+
+    def _grammar_warmup(self) -> None:
+        """Compile the "+grammar" builds (structured output) while serving: they cannot be stored."""
+        from jaxspec.engine.runner import GRAMMAR
+
+        t0 = time.perf_counter()
+        try:
+            for key in self.runner.all_keys(GRAMMAR):
+                if self.draining or self._stop_warmup:
+                    return
+                self.runner.compile([key])
+        except Exception:  # a request compiles what it needs anyway
+            log.exception("structured-output warm-up failed")
+            return
+        log.info("compiled the structured-output builds in %.1fs", time.perf_counter() - t0)
 
     def scorer(self):
         """The prompt scorer over the runner's weights (built on first use; engine/scoring.py)."""
@@ -77,7 +98,7 @@ class Server:
             raise APIError(503, "the server is shutting down", type_="server_error")
         stop_ids = params.stop_ids(self.stop_ids)
         try:
-            self.runner.check_token_ids(params, stop_ids)
+            check_token_ids(self.runner, params, stop_ids)
         except RequestError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         if len(prompt_ids) >= self.max_context:
@@ -136,6 +157,9 @@ class Server:
         return left
 
     def shutdown(self) -> None:
+        self._stop_warmup = True
+        if self._warmup is not None:  # let a compile in flight finish: no thread inside XLA at exit
+            self._warmup.join()
         self.scheduler.shutdown()
 
 
