@@ -162,10 +162,11 @@ SPECS = {
     "eagle3-tree": {"algorithm": "eagle3", "topk": 2, "num_steps": 2, "num_draft_tokens": 5},
     "dflash": {"algorithm": "dflash", "num_draft_tokens": 4},
     "dspark": {"algorithm": "dspark", "num_draft_tokens": 4, "sps_table": "flat"},
-    "medusa-tree": {"algorithm": "medusa", "topk": 2, "num_steps": 2, "num_draft_tokens": 5},
-    "mlp_speculator": {"algorithm": "mlp_speculator", "num_draft_tokens": 4},
-    "standalone": {"algorithm": "standalone", "draft_layers": 1, "num_steps": 3, "num_draft_tokens": 4},
 }
+# One drafter of each kind above (on-device, feature chain and tree, block, block + planner): the masks
+# live in the verify, which no drafter sees. Medusa, the MLP speculator and a standalone draft model
+# (chain drafters like EAGLE-3's, each ~45 s here) passed the same test on 2026-12-03 and are left out
+# of the suite's time budget.
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -185,16 +186,14 @@ def chat_hf():
 
 
 def _llm(chat_model_dir, chat_hf, tmp_path, name, **engine):
-    from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head, write_mlp_speculator
+    from tests.heads_fixtures import write_block_head, write_eagle3_head
 
     spec, engine = SPECS[name], {**ENGINE, **engine}
-    if spec is None or spec["algorithm"] in ("ngram", "standalone"):
+    if spec is None or spec["algorithm"] == "ngram":
         return LLM(str(chat_model_dir), spec=spec and {**spec, "adaptive": "off"}, progress=False, **engine)
     write = {"eagle3": lambda d: write_eagle3_head(d, chat_hf, layer_ids=[0, 1, 1], convention="input"),
              "dflash": lambda d: write_block_head(d, chat_hf, kind="dflash", layer_ids=(0, 1)),
-             "dspark": lambda d: write_block_head(d, chat_hf, kind="dspark", layer_ids=(0, 1)),
-             "medusa": lambda d: write_medusa_head(d, chat_hf, num_heads=3),
-             "mlp_speculator": lambda d: write_mlp_speculator(d, chat_hf, n_predict=3)}[spec["algorithm"]]
+             "dspark": lambda d: write_block_head(d, chat_hf, kind="dspark", layer_ids=(0, 1))}[spec["algorithm"]]
     head = write(tmp_path / spec["algorithm"])
     return LLM(str(chat_model_dir), spec={**spec, "adaptive": "off"}, draft_model=str(head), progress=False,
                **engine)
@@ -445,13 +444,12 @@ def test_cli_jsonl_lines_take_structured_outputs(chat_model_dir, tmp_path, capsy
     assert "structured_outputs.regex is not valid" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("name", ["ngram", "eagle3-tree"])
-def test_constrained_sampling_under_the_coupled_rule_equals_plain(chat_model_dir, chat_hf, tmp_path, name):
+def test_constrained_sampling_under_the_coupled_rule_equals_plain(chat_model_dir, chat_hf, tmp_path):
     """The default verify (auto: the coupled rule) races every node against plain sampling's noise at
     its position: with the mask applied to what it races, a seeded constrained request gives plain
-    constrained sampling's tokens, whatever drafts them."""
+    constrained sampling's tokens, whatever drafts them (here the n-gram drafter)."""
     plain = _llm(chat_model_dir, chat_hf, tmp_path, None)
-    spec = _llm(chat_model_dir, chat_hf, tmp_path, name)
+    spec = _llm(chat_model_dir, chat_hf, tmp_path, "ngram")
     prompts = ["Describe a person as JSON", "Phone number:", "Yes or no?"]
     params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11 + i, structured_outputs=so)
               for i, (_, so) in enumerate(GREEDY_CASES[:3])]
