@@ -118,13 +118,13 @@ def bench_constrained(url: str, model: str, sets: dict[str, tuple[list[str], dic
     return rows
 
 
-def run(args, levels: list[int]) -> int:
-    from jaxspec.bench.serve import load_prompts
+def run(args, levels: list[int], chat_prompts: list[str]) -> int:
+    """chat_prompts: the --prompts set (bench serve's `load_prompts`), the "chat" set's questions."""
     from jaxspec.bench.servers import MODES, launched
     from jaxspec.serve.launch import SERVE_DEFAULTS
 
     n = args.num_prompts
-    sets = {"chat": (load_prompts(args.prompts, n), CHAT_SCHEMA), "copy": (copy_prompts(n), COPY_SCHEMA)}
+    sets = {"chat": (chat_prompts[:n], CHAT_SCHEMA), "copy": (copy_prompts(n), COPY_SCHEMA)}
     results = {}
     for mode in args.modes.split(","):
         # No background compiles beside the measurement: the warm pass below compiles what it uses.

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     if args.workload == "constrained":
         from jaxspec.bench import constrained
 
-        return constrained.run(args, levels)
+        return constrained.run(args, levels, load_prompts(args.prompts, args.num_prompts))
     prompts = load_prompts(args.prompts, args.num_prompts)
 
     if args.url:
