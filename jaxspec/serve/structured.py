@@ -29,10 +29,6 @@ def _bad(param: str, message: str) -> SamplingError:
     return SamplingError(param, f"{param}: {message}")
 
 
-def _build(value: dict, field: str) -> StructuredOutputs:
-    return check_structured(value, field)
-
-
 def _response_format(rf: Any) -> StructuredOutputs | None:
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise _bad("response_format", 'must be an object with "type": "text", "json_object" or "json_schema"')
@@ -40,12 +36,12 @@ def _response_format(rf: Any) -> StructuredOutputs | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _build({"json_object": True}, "response_format")
+        return check_structured({"json_object": True}, "response_format")
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
             raise _bad("response_format.json_schema", 'must be an object with a "schema"')
-        return _build({"json": js["schema"]}, "response_format.json_schema.schema")
+        return check_structured({"json": js["schema"]}, "response_format.json_schema.schema")
     raise _bad("response_format.type", f'must be "text", "json_object" or "json_schema", got {json.dumps(kind)}')
 
 
@@ -80,13 +76,13 @@ def _tools(body: dict) -> tuple[StructuredOutputs | None, str | None]:
         if not isinstance(parallel, bool):
             raise _bad("parallel_tool_calls", "must be a boolean")
         calls_schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
-        return _build({"json": calls_schema}, "tools"), "required"
+        return check_structured({"json": calls_schema}, "tools"), "required"
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise _bad("tool_choice", 'must be "none", "required" or {"type": "function", "function": {"name": ...}}')
     if name not in schemas:
         raise _bad("tool_choice.function.name", f"{json.dumps(name)} is not one of the tools")
-    return _build({"json": schemas[name]}, f"tools[{list(schemas).index(name)}].function.parameters"), name
+    return check_structured({"json": schemas[name]}, f"tools[{list(schemas).index(name)}].function.parameters"), name
 
 
 def parse_structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:
@@ -97,10 +93,10 @@ def parse_structured(body: dict) -> tuple[StructuredOutputs | None, str | None]:
         if so is not None:
             found.append(("response_format", so))
     if body.get("structured_outputs") is not None:
-        found.append(("structured_outputs", _build(body["structured_outputs"], "structured_outputs")))
+        found.append(("structured_outputs", check_structured(body["structured_outputs"], "structured_outputs")))
     for key, kind in GUIDED.items():
         if body.get(key) is not None:
-            found.append((key, _build({kind: body[key]}, key)))
+            found.append((key, check_structured({kind: body[key]}, key)))
     so, mode = _tools(body)
     if so is not None:
         found.append(("tool_choice", so))
