@@ -111,9 +111,16 @@ class SpecSection:
     ngram_corpus: str = opt("", "extra n-gram corpus (host-side index)", metavar="FILE.jsonl", owned=True)
     simulate_accept_length: int = opt(0, "benchmark only: force acceptance length L; output is NOT exact",
                                       metavar="L")
-    # Medusa trees: a JSON list of top-k rank paths ("medusa choices"), e.g. [[0], [1], [0, 0]];
+    # Fixed trees: a JSON list of top-k rank paths ("medusa choices"), e.g. [[0], [1], [0, 0]];
     # "" = the num_draft_tokens - 1 paths of smallest rank sum within topk x num_steps.
-    tree_choices: str = opt("", "medusa tree as rank paths, e.g. '[[0],[1],[0,0]]'", metavar="JSON", owned=True)
+    tree_choices: str = opt("", "tree as rank paths, e.g. '[[0],[1],[0,0]]': Medusa's tree, and the sampled "
+                            "tree of eagle/eagle3/standalone", metavar="JSON", owned=True)
+    # Trees on sampled rows under rejection verify: "sampled" draws each node's children from the
+    # drafter's q without replacement on a fixed rank tree (drafters/sampled_tree.py); "topk" keeps
+    # the deterministic top-k tree, verified as one-hot proposals (lossless, accepts less).
+    tree_sampling: str = opt("sampled", "trees on sampled rows: 'sampled' (children drawn from the drafter's q, "
+                             "multi-draft rejection verify) or 'topk' (deterministic, one-hot verified)",
+                             choices=("sampled", "topk"), owned=True)
     # How an EAGLE-3 config's eagle_aux_hidden_state_layer_ids count: "output" (SpecForge /
     # SGLang: id i = the output of layer i) or "input" (vLLM: the state entering layer i).
     eagle3_layer_ids: str = opt("output", "EAGLE-3 eagle_aux_hidden_state_layer_ids count layer outputs "

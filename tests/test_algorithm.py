@@ -285,8 +285,9 @@ def test_each_builtin_declares_its_heads_shipped_head_and_loader():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(algorithm="eagle3", tree_choices="[[0]]"),
-     r"spec.tree_choices \(--tree-choices\) is read by medusa only; --spec eagle3 would ignore it"),
+    (dict(algorithm="mlp_speculator", draft_model="/heads/mlp", tree_choices="[[0]]"),
+     r"spec.tree_choices \(--tree-choices\) is read by standalone, eagle, eagle3 and medusa only; "
+     r"--spec mlp_speculator would ignore it"),
     (dict(algorithm="dflash", sps_table="flat"), r"spec.sps_table \(--sps-table\) is read by dspark only"),
     (dict(algorithm="eagle3", draft_layers=2), r"spec.draft_layers \(--draft-layers\) is read by standalone only"),
     (dict(algorithm="medusa", ngram_corpus="c.jsonl"), r"spec.ngram_corpus .* is read by ngram only"),

@@ -11,13 +11,16 @@ output; these tests would see it.
 1. End to end (prefill, drafter, verify, commit, observe, noise keying) through
    the Engine on the V = 8 tiny target of tests/test_loop_distribution.py, with
    heads written by tests/heads_fixtures.py (EAGLE-3 with draft_vocab_size 5):
-   eagle chain, eagle3 chain and tree (topk 2), medusa chain and tree,
-   mlp_speculator chain, each at T = 1 and at T = 0.7 / top_p = 0.9. The joint
-   of the first 3 generated tokens over SEEDS = 100,000 seeds per case is
-   chi-square tested (p > ALPHA) against the exact joint from Hugging Face
-   logits. Positive controls: the eagle3 chain with its drafter's q replaced by
-   a wrong one (uniform, or d2t forgotten; drafts still from the head) fails
-   (p < 1e-6) on CONTROL_SEEDS = 20,000 seeds.
+   the sampled multi-draft trees (topk 2) of eagle, eagle3 and medusa and the
+   eagle3 chain at T = 1 and at T = 0.7 / top_p = 0.9; the other chains (their
+   q comes from the same `choose_draft`) and eagle3's one-hot top-k tree at
+   T = 1. The joint of the first 3 generated tokens over SEEDS = 100,000 seeds
+   per case is chi-square tested (p > ALPHA) against the exact joint from
+   Hugging Face logits. Positive controls, on CONTROL_SEEDS = 20,000 seeds, fail
+   (p < 1e-6): the eagle3 chain with its drafter's q replaced by a wrong one
+   (uniform, or d2t forgotten; drafts still from the head), and the eagle3
+   sampled tree with siblings drawn with replacement but verified as distinct,
+   or verified with a residual that rejections do not update.
 2. One verify step, 100,000 samples: the EAGLE-3 drafter's real propose (its q
    and its noise path, on 100,000 seeds) for a fixed context, then
    `verify_rejection` with the loop's own noise keying against fixed target
@@ -64,15 +67,21 @@ BATCH = 2000  # seeds per engine step: large batches keep 10^5 end-to-end sample
 CONTROL_SEEDS = 20_000  # the loop's wrong-q controls fail by far (p underflows to 0) on a fifth of the seeds
 DRAFT_VOCAB = 5  # EAGLE-3's reduced vocabulary: 3 of the 8 target tokens have q = 0
 
-# name: (algorithm, topk, num_steps, num_draft_tokens)
+# name: (algorithm, topk, num_steps, num_draft_tokens, tree_sampling)
 CASES = {
-    "eagle-chain": ("eagle", 1, 3, 4),
-    "eagle3-chain": ("eagle3", 1, 3, 4),
-    "eagle3-tree": ("eagle3", 2, 3, 6),
-    "medusa-chain": ("medusa", 1, 3, 4),
-    "medusa-tree": ("medusa", 2, 3, 6),
-    "mlp_speculator-chain": ("mlp_speculator", 1, 3, 4),
+    "eagle-chain": ("eagle", 1, 3, 4, "sampled"),
+    "eagle-tree": ("eagle", 2, 3, 6, "sampled"),
+    "eagle3-chain": ("eagle3", 1, 3, 4, "sampled"),
+    "eagle3-tree": ("eagle3", 2, 3, 6, "sampled"),
+    "eagle3-tree-topk": ("eagle3", 2, 3, 6, "topk"),
+    "medusa-chain": ("medusa", 1, 3, 4, "sampled"),
+    "medusa-tree": ("medusa", 2, 3, 6, "sampled"),
+    "mlp_speculator-chain": ("mlp_speculator", 1, 3, 4, "sampled"),
 }
+T1, T07 = (1.0, 1.0), (0.7, 0.9)
+# (case, (temperature, top_p)): every sampled tree and one chain at both temperatures.
+RUNS = [(name, t) for name in CASES for t in (T1, T07)
+        if t == T1 or name in ("eagle-tree", "eagle3-chain", "eagle3-tree", "medusa-tree")]
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +90,10 @@ def heads(tiny, tmp_path_factory):  # noqa: F811
 
 
 def spec_of(heads, name) -> SpecSection:
-    alg, topk, steps, n = CASES[name]
+    alg, topk, steps, n, tree_sampling = CASES[name]
     return SpecSection(algorithm=alg, draft_model=str(heads[alg]), topk=topk, num_steps=steps, num_draft_tokens=n,
-                       verify="rejection",
-                       eagle3_layer_ids="input")
+                       verify="rejection", eagle3_layer_ids="input",
+                       tree_sampling=tree_sampling if topk > 1 else "sampled")
 
 
 def build_engine(model, spec) -> Engine:
@@ -132,8 +141,8 @@ def eagle3_draft_ids(heads) -> np.ndarray:
 # ---- 1. end to end through the Engine ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)], ids=["T1", "T0.7-p0.9"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,temperature,top_p", [(n, *t) for n, t in RUNS],
+                         ids=[f"{n}-{'T1' if t == T1 else 'T0.7-p0.9'}" for n, t in RUNS])
 def test_loop_with_feature_drafter_samples_the_target(engines, exact, heads, name, temperature, top_p):
     toks, accepts = first_three(engines(name), temperature, top_p, seeds=range(SEEDS))
     # The accept paths must be what is tested: many verify steps accept at least one draft.
@@ -169,6 +178,40 @@ def test_loop_with_a_wrong_draft_q_fails(tiny, heads, exact, monkeypatch, kind):
                           seeds=range(CONTROL_SEEDS))
     p = chi_square_p(joint_counts(toks), exact(1.0, 1.0))
     assert p < 1e-6, f"a {kind} draft q passed the chi-square test (p={p:.2e})"
+
+
+@pytest.mark.parametrize("kind", ["with-replacement", "residual-kept"])
+def test_loop_with_a_broken_sampled_tree_fails(tiny, heads, exact, monkeypatch, kind):  # noqa: F811
+    """Positive controls of the sampled-tree cases: the eagle3 tree whose siblings are drawn with
+    replacement (independent races over q) but verified with the without-replacement rows, and the
+    right tree verified by a walk whose rejections leave the residual unchanged."""
+    import jaxspec.speculative.drafters.sampled_tree as tree_mod
+    import jaxspec.speculative.loop as loop_mod
+    from jaxspec.speculative.sampling import draft_noise, race_sample
+    from jaxspec.speculative.types import VerifyResult
+    from tests.test_rejection import broken_verifier
+
+    if kind == "with-replacement":
+        real = tree_mod.sample_children
+
+        def with_replacement(logits, parents, width, s, d2t, vocab):
+            tok, rows = real(logits, parents, width, s, d2t, vocab)
+            sp = s.sampling
+            q = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+            idx = jnp.stack([race_sample(q, jnp.stack([draft_noise(sp.seed, s.hist_len, 1000 * (r + 1) + n,
+                                                                   q.shape[-1]) for n in parents], axis=1))
+                             for r in range(width)], axis=-1)
+            return jnp.where(tok >= 0, idx if d2t is None else d2t[idx], -1), rows
+
+        monkeypatch.setattr(tree_mod, "sample_children", with_replacement)
+    else:
+        broken = broken_verifier("no_update")
+        monkeypatch.setattr(loop_mod, "verify_rejection", lambda *a, **kw: VerifyResult(*broken(*a, **kw)))
+    model, _ = tiny
+    toks, _ = first_three(build_engine(model, spec_of(heads, "eagle3-tree")), 1.0, 1.0,
+                          seeds=range(CONTROL_SEEDS))
+    p = chi_square_p(joint_counts(toks), exact(1.0, 1.0))
+    assert p < 1e-6, f"a sampled tree {kind} passed the chi-square test (p={p:.2e})"
 
 
 # ---- 2. one verify step on the EAGLE-3 drafter's own q, 10^5 samples ------------------------------------------

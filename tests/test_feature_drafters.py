@@ -261,7 +261,7 @@ def test_medusa_tree_choices(world):
     spec = spec_for("medusa", world.heads["medusa"], 2, 2, 4, tree_choices="[[0], [1], [0, 0]]")
     draft = load_draft(spec, world.model, jnp.float32, progress=False)
     engine = Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=spec, draft=draft)
-    assert engine.drafter.tree[0] == [-1, 0, 0, 1]
+    assert engine.drafter.rank_tree.parents == (-1, 0, 0, 1)
     bad = spec_for("medusa", world.heads["medusa"], 2, 2, 4, tree_choices="[[0], [0, 1, 1]]")
     with pytest.raises(RequestError, match="tree_choices"):
         Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=bad,
@@ -282,11 +282,12 @@ def test_medusa_tree_choices_are_checked(world, choices, match):
 
 
 def test_tree_choices_where_they_do_not_apply_are_refused(world):
-    """Issue 23: --tree-choices with --spec eagle3 (or a Medusa chain) was silently ignored. The
-    config refuses it for any drafter that does not read it; Medusa refuses it for a chain."""
+    """Issue 23: --tree-choices where no tree reads it was silently ignored. The config refuses it
+    for a drafter that does not read it (the MLP speculator); Medusa refuses it for a chain; EAGLE-3
+    reads it for its sampled tree only, so greedy verify (no sampled tree) refuses it."""
     from jaxspec.speculative.algorithm import SpecConfigError, validate_spec_config
 
-    spec = spec_for("eagle3", world.heads["eagle3"], 2, 2, 4, tree_choices="[[0], [1], [0, 0]]")
+    spec = spec_for("mlp_speculator", world.heads["mlp_speculator"], 1, 2, 3, tree_choices="[[0], [1]]")
     with pytest.raises(SpecConfigError, match="tree_choices"):
         validate_spec_config(spec)
     spec = spec_for("medusa", world.heads["medusa"], 1, 2, 3, tree_choices="[[0], [1], [0, 0]]")
@@ -294,6 +295,16 @@ def test_tree_choices_where_they_do_not_apply_are_refused(world):
     with pytest.raises(RequestError, match="tree_choices needs a tree"):
         Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=spec,
                draft=load_draft(spec, world.model, jnp.float32, progress=False))
+    spec = spec_for("eagle3", world.heads["eagle3"], 2, 2, 4, tree_choices="[[0], [1], [0, 0]]")
+    for verify, refused in (("greedy", True), ("rejection", False)):  # the second: positive control
+        s = dataclasses.replace(spec, verify=verify)
+        draft = load_draft(s, world.model, jnp.float32, progress=False)
+        if refused:
+            with pytest.raises(RequestError, match="shapes the sampled tree only"):
+                Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=s, draft=draft)
+        else:
+            engine = Engine(world.model.params, world.model.config, ecfg(16, 1), progress=False, spec=s, draft=draft)
+            assert engine.drafter.rank_tree.parents == (-1, 0, 0, 1)
 
 
 def test_draft_model_default_picks_the_shipped_head(world, tmp_path, monkeypatch):

@@ -253,8 +253,14 @@ def test_deep_tree_at_the_context_end_is_batch_invariant(llama):
     assert batched.accept_lengths == alone.accept_lengths
 
 
-def scratch_writes_past(model, declared: int) -> int:
-    """Draft K/V slots the deep tree writes past hist_len + `declared`.
+# A sampled rank tree that runs more nodes (5 expanded) than (num_steps - 1) * topk = 4.
+WIDE_RANK_TREE = SpecSection(algorithm="standalone", draft_layers=1, topk=2, num_steps=3, num_draft_tokens=9,
+                             verify="rejection",
+                             tree_choices="[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]")
+
+
+def scratch_writes_past(model, declared: int, spec: SpecSection = DEEP_TREE, sampling=None, hist: int = 10) -> int:
+    """Draft K/V slots the tree of `spec` writes past hist_len + `declared`.
 
     The page table maps the declared budget to real pages and every slot past
     it to distinct trap pages (not the shared null page), so any write past
@@ -264,9 +270,9 @@ def scratch_writes_past(model, declared: int) -> int:
 
     from jaxspec.speculative.drafters.standalone import DraftState, truncate_layers
 
-    ps, hist = 4, 10
+    ps = 4
     engine = Engine(model.params, model.config, dataclasses.replace(ECFG, page_size=ps), progress=False,
-                    spec=DEEP_TREE, draft=truncate_layers(model.params, model.config, 1))
+                    spec=spec, draft=truncate_layers(model.params, model.config, 1))
     budget_pages = -(-(hist + declared) // ps)
     trap0, maxp = 1 + budget_pages, 16
     table = jnp.asarray([list(range(1, 1 + budget_pages)) + list(range(trap0, trap0 + maxp - budget_pages))],
@@ -277,7 +283,7 @@ def scratch_writes_past(model, declared: int) -> int:
     cache = type(c)(k=jnp.zeros(shape, c.k.dtype), v=jnp.zeros(shape, c.k.dtype))
     history = jnp.zeros((1, 64), jnp.int32).at[0, :hist].set(jnp.arange(5, 5 + hist))
     s = SimpleNamespace(history=history, hist_len=jnp.array([hist]), page_table=table, done=jnp.array([False]),
-                        sampling=greedy_rows(1), prompt_lens=jnp.array([1]))
+                        sampling=sampling or greedy_rows(1), prompt_lens=jnp.array([1]))
     out = engine.drafter.propose(engine.runner.draft_params, DraftState(cache=cache, draft_len=jnp.array([hist - 1])), s)
     written = np.abs(np.asarray(out.state.cache.k[:, trap0:])).sum(axis=(0, 3, 4)) > 0  # [trap pages, ps]
     slots = np.nonzero(written.reshape(-1))[0]
@@ -293,6 +299,22 @@ def test_standalone_tree_writes_within_its_declared_scratch(llama):
     assert scratch_writes_past(model, drafter.scratch_tokens) == 0
     # Positive control: the old reserve (num_draft_tokens) is overrun by the deep tree.
     assert scratch_writes_past(model, DEEP_TREE.num_draft_tokens) > 0
+
+
+def test_standalone_sampled_tree_writes_within_its_declared_scratch(llama):
+    """A sampled row drafts the rank tree, whose expanded nodes (5 here) the drafter re-runs past
+    hist_len: more than the top-k tree's (num_steps - 1) * topk = 4, which would overrun."""
+    from jaxspec.speculative.drafters import build_drafter
+    from jaxspec.speculative.loop import SpecPlan
+
+    model, _ = llama
+    drafter = build_drafter(SpecPlan.from_config(WIDE_RANK_TREE), WIDE_RANK_TREE, draft_cfg=model.config,
+                            target_cfg=model.config)
+    assert drafter.sampled_tree and len(drafter.rank_tree.fed()) == 5 and drafter.scratch_tokens == 5
+    sampled = dataclasses.replace(greedy_rows(1), temperature=jnp.ones((1,), jnp.float32))
+    # hist 12: a budget of hist + 4 ends on a page boundary, so one slot past it is a trap page's.
+    assert scratch_writes_past(model, drafter.scratch_tokens, WIDE_RANK_TREE, sampled, hist=12) == 0
+    assert scratch_writes_past(model, 4, WIDE_RANK_TREE, sampled, hist=12) > 0  # control: the top-k reserve
 
 
 # ---- 5. plugins ---------------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def draft_tree(key, root, parents, mode):
 def _broken_one(tokens, nt, ns, p, q, u, e, max_depth, flaw):
     # Same walk as the reference with one deliberate flaw:
     #   "accept_p":  accept with probability p'(t), not min(1, p'(t)/q(t));
-    #   "no_renorm": keep the residual max(p' - q, 0) unnormalised.
+    #   "no_renorm": keep the residual max(p' - q, 0) unnormalised;
+    #   "no_update": keep the residual p' unchanged after a rejection.
     def cond(s):
         return (s[3] >= 0) & (s[1] < max_depth)
 
@@ -150,7 +151,7 @@ def _broken_one(tokens, nt, ns, p, q, u, e, max_depth, flaw):
         ratio = res[t] if flaw == "accept_p" else res[t] / q[j, t]
         accept = u[j] < ratio
         new = jnp.maximum(res - q[j], 0.0)
-        rejected = new if flaw == "no_renorm" else new / jnp.sum(new)
+        rejected = {"no_renorm": new, "no_update": res}.get(flaw, new / jnp.sum(new))
         acc = acc.at[jnp.where(accept, n + 1, max_depth + 1)].set(j, mode="drop")
         return (acc, n + accept, jnp.where(accept, j, cur),
                 jnp.where(accept, nt[j], ns[j]), jnp.where(accept, p[j], rejected))

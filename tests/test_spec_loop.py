@@ -133,12 +133,13 @@ def test_sampling_verifiers_are_seeded_and_exact_for_greedy_requests(llama, veri
     assert_greedy_equal(hf, PROMPTS[1], mixed[0].output_ids, refs[1])
 
 
-def test_tree_rejection_sampling_follows_the_target_with_deterministic_tree_drafts(llama):
-    """Sampled rows (temperature > 0) run verify_rejection on top-k tree drafts
-    (an all-greedy batch takes the greedy rule and never would). 4096 seeded
+def test_tree_rejection_sampling_follows_the_target_with_sampled_tree_drafts(llama):
+    """Sampled rows (temperature > 0) draft sampled multi-draft trees and run verify_rejection
+    on them (an all-greedy batch takes the greedy rule and the top-k tree). 4096 seeded
     requests: the second token, the first one a verify step emits (an accepted
     draft or a residual sample), follows the marginal computed from Hugging Face
-    logits of every prefix; the same samples reject two other temperatures."""
+    logits of every prefix; the same samples reject two other temperatures. Beside
+    them a greedy row (top-k children by logits, one-hot rows) stays exactly greedy."""
 
     model, hf, refs = llama
     draft = truncate_layers(model.params, model.config, 1)  # disagrees often: rejections and residuals

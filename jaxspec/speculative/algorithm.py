@@ -319,7 +319,8 @@ def _owned_checks(s: SpecSection, reg: Registration) -> list[tuple[bool, str]]:
         if f.metadata.get("owned") and f.name not in reg.reads and getattr(s, f.name) != f.default:
             owners = [r.name for r in registrations() if f.name in r.reads]
             flag = f.metadata.get("flag") or f.name.replace("_", "-")
-            out.append((False, f"spec.{f.name} (--{flag}) is read by {' and '.join(owners) or 'no drafter'} only; "
+            who = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 1 else owners)
+            out.append((False, f"spec.{f.name} (--{flag}) is read by {who or 'no drafter'} only; "
                                f"--spec {reg.name} would ignore it (leave it unset)"))
     return out
 

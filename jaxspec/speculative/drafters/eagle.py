@@ -16,8 +16,10 @@ the draft-extend. EAGLE-2's tree: top-k expansion by cumulative log-prob over
 
 Sampled rows (rejection verify): chains sample each draft from the head's
 distribution under the request's temperature / top-k / top-p and return q over
-the target vocabulary; trees stay the deterministic top-k tree, which
-rejection verifies as one-hot proposals (lossless, SGLang's choice too).
+the target vocabulary; trees are sampled multi-draft trees on a fixed rank tree
+(`drafters.sampled_tree`), or with spec.tree_sampling = "topk" the
+deterministic top-k tree, which rejection verifies as one-hot proposals
+(lossless, SGLang's choice, but it accepts less).
 """
 
 from __future__ import annotations
@@ -34,19 +36,29 @@ from jaxspec.speculative.drafters.features import (
 )
 from jaxspec.speculative.algorithm import AlgorithmInfo
 from jaxspec.speculative.drafters.load import register_head
+from jaxspec.speculative.drafters.sampled_tree import SampledTrees, TreeDraws, greedy_or_sampled, parse_choices
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter(DrafterBase):
+class EagleDrafter(SampledTrees, DrafterBase):
     head: HeadConfig
     num_steps: int
     topk: int
     num_draft_tokens: int
-    sample_drafts: bool  # rejection verify on sampled rows: chains sample and return q
+    sample_drafts: bool  # rejection verify on sampled rows: chains and sampled trees return q
     coupled: bool = False  # coupled verify: the chain races with the target's noise (sampling.draft_noise)
+    tree_sampling: str = "sampled"  # sampled rows' trees: "sampled" (from q) or "topk" (one-hot)
+    choices: tuple[tuple[int, ...], ...] = ()  # the sampled tree's rank paths; () = the default shape
+
+    def __post_init__(self):
+        self.check_sampled_tree()
+
+    @property
+    def tree_depth(self) -> int:
+        return self.num_steps
 
     shares_target = ("embed", "head")
 
@@ -59,10 +71,6 @@ class EagleDrafter(DrafterBase):
         if self.head.feature_layers:
             return FeatureRequest(layers=self.head.feature_layers)
         return FeatureRequest(final_norm=True)
-
-    @property
-    def provides_draft_probs(self) -> bool:
-        return self.sample_drafts and not self.coupled and self.topk == 1
 
     def prepare_params(self, loaded, *, native: bool, unstack) -> dict:
         return prepare_head_params(loaded, self.head, native=native)
@@ -118,7 +126,12 @@ class EagleDrafter(DrafterBase):
                                  s.page_table, state.cache)
         if self.topk == 1:
             return self._chain(params, state, s, root, out, bk, bv, prefix, d2t)
-        return self._tree(params, state, s, root, out, bk, bv, prefix, d2t)
+        args = (params, state, s, root, out, bk, bv, prefix, d2t)
+        if not self.sampled_tree:
+            return Proposal(*self._tree(*args), None, state)
+        shape = (b, self.num_draft_tokens, self.head.layer.vocab_size)
+        return Proposal(*greedy_or_sampled(s, lambda: self._tree(*args), lambda: self._sampled_tree(*args), shape),
+                        state)
 
     def _chain(self, params, state, s, root, out, bk, bv, prefix, d2t):
         n = self.num_draft_tokens
@@ -175,12 +188,38 @@ class EagleDrafter(DrafterBase):
             root, jnp.stack(step_tokens, 1), jnp.stack(step_scores, 1), jnp.stack(step_frontier, 1),
             self.num_draft_tokens,
         )
-        return Proposal(tokens, parents, None, state)
+        return tokens, parents
+
+    def _sampled_tree(self, params, state, s, root, out, bk, bv, prefix, d2t):
+        """The rank tree level by level: draw a level's children, then run the head on the level's
+        expanded nodes (their K/V join the in-flight block, masked to their ancestors)."""
+        t, b = self.rank_tree, root.shape[0]
+        draws = TreeDraws.start(t, root)
+        flight = [0]  # in-flight nodes in block order; node 0 is the root pair
+        node_h, node_logits = {0: out.h[:, -1]}, {0: out.logits[:, -1]}
+        for depth in range(1, t.depth + 1):
+            draws.draw_level(depth, jnp.stack([node_logits[n] for n in t.expanded(depth - 1)], axis=1), s, d2t,
+                             self.head.layer.vocab_size)
+            fed = t.expanded(depth)
+            if not fed:
+                break
+            mask = t.ancestors(flight + fed)[len(flight):]  # [F, U] static: the topology is fixed
+            tokens = jnp.stack([jnp.maximum(draws.tokens[n], 0) for n in fed], axis=1)
+            h_in = jnp.stack([node_h[t.parents[n]] for n in fed], axis=1)
+            pos = jnp.broadcast_to(prefix[:, None] + depth, tokens.shape)
+            out, bk, bv = self._step(params, tokens, h_in, pos, prefix, bk, bv,
+                                     jnp.broadcast_to(jnp.asarray(mask), (b, *mask.shape)), s.page_table, state.cache)
+            for j, n in enumerate(fed):
+                node_h[n], node_logits[n] = out.h[:, j], out.logits[:, j]
+            flight += fed
+        return draws.proposal()
 
 
 
 def _make(plan, spec, head, sample) -> EagleDrafter:
-    return EagleDrafter(head, plan.num_steps, plan.topk, plan.num_draft_tokens, sample)
+    choices = tuple(parse_choices(spec.tree_choices)) if spec.tree_choices else ()
+    return EagleDrafter(head, plan.num_steps, plan.topk, plan.num_draft_tokens, sample,
+                        tree_sampling=spec.tree_sampling, choices=choices)
 
 
 def _own_mtp_layers(model, dtype):
@@ -194,7 +233,7 @@ def _own_mtp_layers(model, dtype):
 register_head("eagle", AlgorithmInfo(needs_draft_model=True, supports_tree=True, description=(
     "EAGLE-1 head with EAGLE-2 dynamic trees (also NEXTN/MTP layers of the target)")), _make,
     head_kinds=("eagle", "mtp_deepseek", "mtp_mimo"), aliases=("nextn",), fallback=_own_mtp_layers,
-    default_draft=lambda s: True)
+    default_draft=lambda s: True, reads=("tree_choices", "tree_sampling"))
 register_head("eagle3", AlgorithmInfo(needs_draft_model=True, supports_tree=True, description=(
     "EAGLE-3 head on multi-layer target features, reduced draft vocabulary")), _make,
-    head_kinds=("eagle3",), shipped_head="eagle3-smollm2-135m")
+    head_kinds=("eagle3",), shipped_head="eagle3-smollm2-135m", reads=("tree_choices", "tree_sampling"))

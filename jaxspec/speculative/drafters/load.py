@@ -71,9 +71,10 @@ def register_head(name: str, info: AlgorithmInfo, make: Callable[..., Any], *, h
                                   f"a head directory in its published format); got {getattr(draft_cfg, 'kind', None)}")
         try:
             drafter = make(plan, spec, draft_cfg, plan.sampled_rule in ("rejection", "coupled"))
+            # replace re-runs the drafter's checks, which may refuse what only the coupled rule lacks
+            return dataclasses.replace(drafter, coupled=True) if plan.sampled_rule == "coupled" else drafter
         except ValueError as e:
             raise SpecConfigError(str(e)) from None
-        return dataclasses.replace(drafter, coupled=True) if plan.sampled_rule == "coupled" else drafter
 
     def load(spec, model, dtype, **lkw):
         return _load_head(spec, model, dtype, fallback=fallback, **lkw)

@@ -13,7 +13,10 @@ Chain mode (topk = 1) feeds one token per step. Tree mode (topk > 1) expands
 the top-k frontier by cumulative log-prob (EAGLE-2 / SGLang), re-running the
 growing block of fed nodes with a tree mask at each step (simple and exact; a
 prefix-aware draft mask would avoid the recompute), then keeps the best
-num_draft_tokens - 1 nodes with `organize_draft_tree`.
+num_draft_tokens - 1 nodes with `organize_draft_tree`. Sampled rows under
+rejection verify draft a sampled multi-draft tree instead (`drafters.sampled_tree`):
+a fixed rank tree, its levels' children drawn from the draft model's q without
+replacement, the same growing block re-run per level.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jaxspec.speculative.algorithm import AlgorithmInfo, SpecConfigError, regist
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, Proposal
 from jaxspec.speculative.drafters.features import choose_draft
+from jaxspec.speculative.drafters.sampled_tree import SampledTrees, TreeDraws, greedy_or_sampled, parse_choices
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 
 
@@ -41,7 +45,7 @@ class DraftState:
 
 
 @dataclasses.dataclass(frozen=True)
-class StandaloneDrafter(DrafterBase):
+class StandaloneDrafter(SampledTrees, DrafterBase):
     cfg: ModelConfig
     num_steps: int
     topk: int
@@ -52,14 +56,19 @@ class StandaloneDrafter(DrafterBase):
     # a deep one still feeds every committed token.
     catch_up_width: int = 0
     coupled: bool = False  # coupled verify: the chain races with the target's noise (sampling.draft_noise)
+    tree_sampling: str = "sampled"  # sampled rows' trees: "sampled" (from q) or "topk" (one-hot)
+    choices: tuple[tuple[int, ...], ...] = ()  # the sampled tree's rank paths; () = the default shape
+
+    def __post_init__(self):
+        self.check_sampled_tree()
+
+    @property
+    def tree_depth(self) -> int:
+        return self.num_steps
 
     @property
     def draft_cache_cfg(self) -> ModelConfig:
         return self.cfg
-
-    @property
-    def provides_draft_probs(self) -> bool:
-        return self.sample_drafts and not self.coupled and self.topk == 1
 
     @property
     def max_depth(self) -> int:
@@ -68,10 +77,11 @@ class StandaloneDrafter(DrafterBase):
     @property
     def scratch_tokens(self) -> int:
         """Draft K/V slots written past hist_len: a chain feeds N - 2 drafts, a
-        tree re-runs its block of (num_steps - 1) * topk fed nodes."""
+        tree re-runs its block of (num_steps - 1) * topk fed nodes, a sampled
+        tree its rank tree's fed nodes."""
         if self.topk == 1:
             return max(self.num_draft_tokens - 2, 0)
-        return (self.num_steps - 1) * self.topk
+        return max((self.num_steps - 1) * self.topk, len(self.rank_tree.fed()) if self.sampled_tree else 0)
 
     def prepare_params(self, loaded, *, native: bool, unstack) -> dict:
         return prepare_params(loaded, self.cfg, unstack=unstack, native=native)
@@ -111,7 +121,14 @@ class StandaloneDrafter(DrafterBase):
         root = jnp.take_along_axis(history, (hist_len - 1)[:, None], axis=1)[:, 0]
         if self.topk == 1:
             return Proposal(*self._chain(params, state, logits, root, hist_len, page_table, s))
-        return Proposal(*self._tree(params, state, logits, root, hist_len, page_table))
+        if not self.sampled_tree:
+            tokens, parents, cache = self._tree(params, state, logits, root, hist_len, page_table)
+            return Proposal(tokens, parents, None, DraftState(cache=cache, draft_len=state.draft_len))
+        tokens, parents, probs, cache = greedy_or_sampled(
+            s, lambda: self._tree(params, state, logits, root, hist_len, page_table),
+            lambda: self._sampled_tree(params, state, logits, root, s),
+            (root.shape[0], self.num_draft_tokens, logits.shape[-1]))
+        return Proposal(tokens, parents, probs, DraftState(cache=cache, draft_len=state.draft_len))
 
     def _chain(self, params, state, logits, root, hist_len, page_table, s):
         n = self.num_draft_tokens
@@ -182,7 +199,31 @@ class StandaloneDrafter(DrafterBase):
             root, jnp.stack(step_tokens, 1), jnp.stack(step_scores, 1), jnp.stack(step_frontier, 1),
             self.num_draft_tokens,
         )
-        return tokens, parents, None, DraftState(cache=cache, draft_len=state.draft_len)
+        return tokens, parents, cache
+
+    def _sampled_tree(self, params, state, logits, root, s):
+        """The rank tree level by level: draw a level's children, then re-run the block of every
+        expanded node so far (static ancestor mask) for the logits of the level's expanded nodes."""
+        t, b, hist_len = self.rank_tree, root.shape[0], s.hist_len
+        draws = TreeDraws.start(t, root)
+        fed, level_logits, cache = [], logits[:, None], state.cache
+        for depth in range(1, t.depth + 1):
+            draws.draw_level(depth, level_logits, s, None, logits.shape[-1])
+            new = t.expanded(depth)
+            if not new:
+                break
+            fed += new
+            mask = jnp.broadcast_to(jnp.asarray(t.ancestors(fed)), (b, len(fed), len(fed)))
+            depths = jnp.asarray([t.depths[n] for n in fed], jnp.int32)
+            block = jnp.stack([jnp.maximum(draws.tokens[n], 0) for n in fed], axis=1)
+            out = forward(
+                params, self.cfg, block, (hist_len - 1)[:, None] + depths[None], cache, s.page_table,
+                q_start=hist_len, kv_len=hist_len + len(fed), tree_mask=mask,
+                logits_index=jnp.broadcast_to(jnp.arange(len(fed) - len(new), len(fed), dtype=jnp.int32),
+                                              (b, len(new))),
+            )
+            level_logits, cache = out.logits, out.cache
+        return (*draws.proposal(), cache)
 
 
 def truncate_layers(params: dict, cfg: ModelConfig, num_layers: int) -> tuple[dict, ModelConfig]:
@@ -225,15 +266,20 @@ def load_standalone(spec, model, dtype, *, cache_dir: str | None = None, progres
     return params, dcfg
 
 
-def _build(*, plan, draft_cfg, catch_up_width: int = 0, **_) -> StandaloneDrafter:
+def _build(*, plan, spec, draft_cfg, catch_up_width: int = 0, **_) -> StandaloneDrafter:
     if not isinstance(draft_cfg, ModelConfig):
         raise SpecConfigError("standalone speculation needs a draft model")
-    return StandaloneDrafter(draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
-                             sample_drafts=plan.sampled_rule in ("rejection", "coupled"),
-                             catch_up_width=catch_up_width, coupled=plan.sampled_rule == "coupled")
+    try:
+        return StandaloneDrafter(draft_cfg, plan.num_steps, plan.topk, plan.num_draft_tokens,
+                                 sample_drafts=plan.sampled_rule in ("rejection", "coupled"),
+                                 catch_up_width=catch_up_width, coupled=plan.sampled_rule == "coupled",
+                                 tree_sampling=spec.tree_sampling,
+                                 choices=tuple(parse_choices(spec.tree_choices)) if spec.tree_choices else ())
+    except ValueError as e:
+        raise SpecConfigError(str(e)) from None
 
 
 register("standalone", AlgorithmInfo(needs_draft_model=True, supports_tree=True,
                                      description="a smaller LM (or the target's first layers) drafts token by token"),
-         _build, load=load_standalone, reads=("draft_layers",), default_draft=lambda s: s.draft_layers > 0,
+         _build, load=load_standalone, reads=("draft_layers", "tree_choices", "tree_sampling"), default_draft=lambda s: s.draft_layers > 0,
          draft_hint=", or spec.draft_layers > 0 to draft with the target's first layers", builtin=True)
