@@ -53,13 +53,6 @@ class EagleDrafter(SampledTrees, DrafterBase):
     tree_sampling: str = "sampled"  # sampled rows' trees: "sampled" (from q) or "topk" (one-hot)
     choices: tuple[tuple[int, ...], ...] = ()  # the sampled tree's rank paths; () = the default shape
 
-    def __post_init__(self):
-        self.check_sampled_tree()
-
-    @property
-    def tree_depth(self) -> int:
-        return self.num_steps
-
     shares_target = ("embed", "head")
 
     @property

@@ -158,7 +158,14 @@ def rank_tree(choices, topk: int, depth: int, num_draft_tokens: int) -> RankTree
 class SampledTrees:
     """What a tree drafter needs to draft sampled trees; the dataclass supplies `tree_sampling`
     ("sampled" | "topk"), `choices`, `sample_drafts`, `coupled`, `topk`, `num_draft_tokens` and
-    `tree_depth` (how deep its rank tree may go)."""
+    `num_steps`, and may narrow `tree_depth` (how deep its rank tree may go)."""
+
+    def __post_init__(self):
+        self.check_sampled_tree()
+
+    @property
+    def tree_depth(self) -> int:
+        return self.num_steps
 
     @property
     def sampled_tree(self) -> bool:

@@ -59,13 +59,6 @@ class StandaloneDrafter(SampledTrees, DrafterBase):
     tree_sampling: str = "sampled"  # sampled rows' trees: "sampled" (from q) or "topk" (one-hot)
     choices: tuple[tuple[int, ...], ...] = ()  # the sampled tree's rank paths; () = the default shape
 
-    def __post_init__(self):
-        self.check_sampled_tree()
-
-    @property
-    def tree_depth(self) -> int:
-        return self.num_steps
-
     @property
     def draft_cache_cfg(self) -> ModelConfig:
         return self.cfg
