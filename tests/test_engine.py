@@ -39,6 +39,16 @@ def test_greedy_matches_hf_batched_ragged(tiny_dirs, kind, page_size):
     assert engine.runner.allocator.num_used == 0
 
 
+def test_a_max_context_between_length_buckets(tiny_dirs):
+    """max_context 96 under length buckets (.., 64, 128): a 70-token prompt used to be padded to a
+    128-token prefill chunk and refused ("context 128 exceeds the largest bucket 96"); it fits."""
+    path, hf = tiny_dirs["llama"]
+    engine = make_engine(path, max_context=96)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 250, 70)]
+    res = engine.generate([Request(prompt, SamplingParams(max_tokens=8))])[0]
+    assert_greedy_equal(hf, prompt, res.output_ids, hf_greedy(hf, prompt, 8))
+
+
 def test_batched_equals_batch_one(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     engine = make_engine(path)

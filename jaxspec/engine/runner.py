@@ -158,7 +158,10 @@ class ModelRunner:
         lengths = sorted(engine_cfg.length_buckets)
         max_prefill_batch = engine_cfg.max_batch_size if max_prefill_batch is None else max_prefill_batch
         self.prefill_batches = tuple(b for b in self.batch_buckets if b <= up(max_prefill_batch)) or (n,)
-        self.prefill_chunk = prefill_chunk or bucket_for(self.max_context, lengths, "max_context")
+        # Never wider than the context: a prompt chunk padded past it (max_context 384 under a 512
+        # length bucket) would need a context bucket the engine does not have.
+        self.prefill_chunk = prefill_chunk or min(bucket_for(self.max_context, lengths, "max_context"),
+                                                  self.max_context)
         self.chunk_buckets = tuple(c for c in lengths if c < self.prefill_chunk) + (self.prefill_chunk,)
         ctx = [c for c in sorted(context_buckets or lengths) if c < self.max_context] + [self.max_context]
         self.context_buckets = tuple(ctx)
