@@ -50,6 +50,19 @@ def test_prompt_sets_name_an_unknown_set():
         prompt_sets(None, ["mtbench", "nope"], 2)
 
 
+@pytest.mark.parametrize("text, want", [("1", (1.0, 1.0)), ("0.7,0.9", (0.7, 0.9)), ("1.5", (1.5, 1.0)),
+                                        ("0", None), ("x", None), ("1,2", None), ("0.7,0.9,1", None), (",", None)])
+def test_sampled_rows_flag_is_checked(text, want):
+    """bench spec --sampled T[,TOP_P]: the sampled rows' parameters, or a one-line refusal."""
+    from jaxspec.bench.spec import main, parse_sampled
+
+    if want is None:
+        with pytest.raises(SystemExit, match="--sampled: expected T or T,TOP_P"):
+            main(["--sampled", text])  # refused before the model loads
+    else:
+        assert parse_sampled(text) == dict(temperature=want[0], top_p=want[1])
+
+
 def test_heldout_prompts_come_from_the_split_training_never_sees():
     from jaxspec.train.sharegpt import sharegpt_conversations, sharegpt_heldout_prompts
 

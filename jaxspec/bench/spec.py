@@ -254,6 +254,33 @@ def shipped_head_methods(model) -> dict:
     return out
 
 
+def parse_sampled(text: str) -> dict:
+    """--sampled T[,TOP_P] -> the SamplingParams fields of the sampled rows."""
+    try:
+        t, top_p = ([float(x) for x in text.split(",")] + [1.0])[:2] if text.count(",") <= 1 else (0.0, 0.0)
+    except ValueError:
+        t = top_p = 0.0
+    if t <= 0 or not 0 < top_p <= 1:
+        raise SystemExit(f"--sampled: expected T or T,TOP_P with T > 0 and 0 < TOP_P <= 1; got {text!r}")
+    return dict(temperature=t, top_p=top_p)
+
+
+def sampled_methods(model, methods: dict, fields: dict) -> dict:
+    """--sampled: plain and each shipped EAGLE-3 / Medusa chain and tree on sampled rows under rejection
+    verify, every tree twice (issue 30): the sampled multi-draft tree and the one-hot top-k tree."""
+    tag = ", ".join(f"{k} {v:g}" for k, v in fields.items())
+    out = {f"jaxspec plain ({tag})": Processed(engine_for(model, None), **fields)}
+    for name, (kw, draft) in methods.items():
+        if not kw or kw["algorithm"] not in ("eagle3", "medusa") or kw.get("adaptive"):
+            continue
+        tree = kw.get("topk", 1) > 1
+        for label, ts in ((("sampled tree", "sampled"), ("one-hot tree", "topk")) if tree else (("", "sampled"),)):
+            spec = dict(kw, verify="rejection", tree_sampling=ts)
+            out[f"{name.replace(' (shipped head)', '')}{', ' + label if label else ''} ({tag}, rejection)"] = \
+                Processed(engine_for(model, spec, draft), **fields)
+    return out
+
+
 def block_ceiling(model, prompts, new: int, base: float, roofline: float) -> list[list]:
     """A DFLASH block of 16 with acceptance forced (tau 2..8; output NOT exact): what one draft
     forward per block buys when the drafter is right. The head is fresh (its cost does not depend on
@@ -328,7 +355,11 @@ def main(argv=None) -> int:
                    "sharing its engine: a cost-only penalty and a real one, issue 26)")
     p.add_argument("--logprobs", action="store_true", help="time every method also with logprobs (top 5) on (a "
                    "twin sharing its engine, issue 26)")
+    p.add_argument("--sampled", default="", metavar="T[,TOP_P]", help="also time plain and the shipped EAGLE-3 / "
+                   "Medusa chains and trees on sampled rows (rejection verify) on MT-Bench: sampled multi-draft "
+                   "trees against one-hot top-k trees (issue 30)")
     args = p.parse_args(argv)
+    sampled = parse_sampled(args.sampled) if args.sampled else None  # refused before any model loads
 
     from jaxspec.bench.decode import param_bytes
     from jaxspec.models.loading import load_model
@@ -421,6 +452,14 @@ def main(argv=None) -> int:
               "whole batches, median")
         print_table(["method", "tok/s", "vs jaxspec plain"], [[k, median(v), median(v) / base]
                                                               for k, v in batched.items()])
+
+    if sampled and heads and "MT-Bench" in sets:
+        measured = run_interleaved(sampled_methods(model, {k: methods[k] for k in heads}, sampled), sets["MT-Bench"],
+                                   new, args.reps)
+        base = next(iter(measured.values())).rates  # plain at the same sampling parameters
+        print(f"\nsampled rows ({args.sampled}), MT-Bench, batch 1, seeded; vs plain at the same parameters:")
+        print_table(["method", "tau", "tok/s", "vs plain (median)", "vs plain (aggregate)"],
+                    [[k, m.tau, median(m.rates), *speedups(m.rates, base)] for k, m in measured.items()])
 
     if args.penalties:
         print("\nthe verify step's processors alone (penalize_tree, 1,024-token history, median ms):")
