@@ -30,7 +30,7 @@ output; these tests would see it.
    forgotten; uniform q; the q of another context) fail (p < 1e-6).
 
 Significance: each "must match" test asserts p > ALPHA = 1e-3 (seeds fixed, so
-deterministic). Runtime ~2-3 minutes on 2 CPU cores.
+deterministic). Runtime ~5 minutes on 2 CPU cores (longer on a cold CI machine).
 """
 
 from __future__ import annotations
