@@ -110,10 +110,8 @@ class MedusaDrafter(SampledTrees, _PendingOnly):
         def sampled_tree():
             # A depth-d node's children all come from head d (Medusa reads no drafted token).
             draws = TreeDraws.start(t, root)
-            for depth in range(1, t.depth + 1):
-                width = len(t.expanded(depth - 1))
-                head = jnp.broadcast_to(logits[:, None, depth - 1], (b, width, logits.shape[-1]))
-                draws.draw_level(depth, head, s, None, logits.shape[-1])
+            for depth in range(1, t.depth + 1):  # q computed once per depth, every parent races its own noise
+                draws.draw_level(depth, logits[:, None, depth - 1], s, None, logits.shape[-1])
             return draws.proposal()
 
         return Proposal(*greedy_or_sampled(s, topk_tree, sampled_tree, (b, n, logits.shape[-1])), state)

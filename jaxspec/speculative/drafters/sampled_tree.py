@@ -203,7 +203,7 @@ class SampledTrees:
 
 
 def sample_children(
-    logits: Float[Array, "B P Vd"],
+    logits: Float[Array, "B P Vd"],  # or [B, 1, Vd]: one distribution every parent draws from (Medusa)
     parents: list[int],
     width: int,
     s,
@@ -214,7 +214,7 @@ def sample_children(
     their noise) from the draft logits at those nodes: (target token ids, -1 past q's support;
     the proposal row each was drawn from, over the target vocabulary)."""
     sp = s.sampling
-    b, p, vd = logits.shape
+    b, p, vd = logits.shape[0], len(parents), logits.shape[-1]
     # 1. q under each row's own temperature / top-k / top-p.
     q = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)  # [B, P, Vd]
     noise = jnp.stack([draft_noise(sp.seed, s.hist_len, 1 + n, vd) for n in parents], axis=1)
@@ -225,7 +225,7 @@ def sample_children(
     idx = idx.astype(jnp.int32)
     valid = top_score > 0.0
     # 3. The r-th draw's row: q without draws 0..r-1, renormalised (one-hot on greedy rows).
-    rows, kept = [], q
+    rows, kept = [], jnp.broadcast_to(q, noise.shape)
     for r in range(width):
         z = jnp.sum(kept, axis=-1, keepdims=True)
         row = jnp.where(z > 0.0, kept / jnp.where(z > 0.0, z, 1.0), 0.0)
@@ -251,21 +251,18 @@ class TreeDraws:
     def start(cls, tree: RankTree, root: Int[Array, "B"]) -> "TreeDraws":
         return cls(tree, {0: root.astype(jnp.int32)}, {})
 
-    def draw_level(self, depth: int, logits: Float[Array, "B P Vd"], s, d2t, vocab: int) -> list[int]:
-        """Draw the children of the nodes expanded at depth - 1 (logits in `expanded` order);
-        a padding parent's children are padding. Returns the new nodes."""
+    def draw_level(self, depth: int, logits: Float[Array, "B P Vd"], s, d2t, vocab: int) -> None:
+        """Draw the children of the nodes expanded at depth - 1 (logits in `expanded` order, or one
+        [B, 1, Vd] row they all share); a padding parent's children are padding."""
         t = self.tree
         parents = t.expanded(depth - 1)
         width = max(len(t.children(n)) for n in parents)
         tok, rows = sample_children(logits, parents, width, s, d2t, vocab)
-        new = []
         for j, n in enumerate(parents):
             for c in t.children(n):
                 live = self.tokens[n] >= 0 if n > 0 else True
                 self.tokens[c] = jnp.where(live, tok[:, j, t.ranks[c]], -1)
                 self.rows[c] = rows[:, j, t.ranks[c]]
-                new.append(c)
-        return new
 
     def proposal(self) -> tuple[Int[Array, "B N"], Int[Array, "B N"], Float[Array, "B N V"]]:
         """(tokens, parents, draft_probs) in the tree convention; padding nodes hang off the root."""
