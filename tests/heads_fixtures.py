@@ -251,8 +251,8 @@ def write_block_head(d, target, *, kind="dflash", num_layers=2, block_size=8, la
 
 
 def feature_heads_v8(d, hf) -> dict:
-    """EAGLE-1, EAGLE-3 (draft vocabulary 5, "input" layer ids), Medusa (3 heads) and MLP speculator
-    heads for the V = 8 two-layer target of tests/test_loop_distribution.py."""
+    """EAGLE-1, EAGLE-3 (draft vocabulary 5, "input" layer ids), Medusa (3 heads), MLP speculator and
+    FROZEN_KV_MTP heads for the V = 8 two-layer target of tests/test_loop_distribution.py."""
     d = Path(d)
     return {
         "eagle": write_eagle_head(d / "eagle", hf),
@@ -260,6 +260,8 @@ def feature_heads_v8(d, hf) -> dict:
         "eagle3": write_eagle3_head(d / "eagle3", hf, draft_vocab_size=5, layer_ids=[0, 1, 2], convention="input"),
         "medusa": write_medusa_head(d / "medusa", hf, num_heads=3),
         "mlp_speculator": write_mlp_speculator(d / "mlp", hf, n_predict=3),
+        # Both target layers' K/V, a reduced vocabulary of 5 (3 target tokens only from the residual).
+        "frozen_kv_mtp": write_frozen_kv_head(d / "frozen_kv", hf, draft_vocab_size=5),
     }
 
 
@@ -275,3 +277,52 @@ def block_heads_v8(d, hf) -> dict:
                                    markov_rank=4, seed=3),
         "table": falling_table(d / "falling.json"),
     }
+
+
+def write_frozen_kv_head(d, target, *, seed=0, layer_ids=None, published=False, draft_vocab_size=0, hidden=None,
+                         heads=None, sliding=False, window=3) -> Path:
+    """FROZEN_KV_MTP in Gemma 4's assistant layout (HF gemma4_assistant): pre/post_projection, model.norm,
+    model.layers.{i}.{input_layernorm, self_attn.q_proj, self_attn.q_norm, self_attn.o_proj,
+    post_attention_layernorm, pre_feedforward_layernorm, mlp.*, post_feedforward_layernorm, layer_scalar}.
+
+    `published`: Gemma4AssistantForCausalLM (GELU-tanh, query scale 1, embed scale sqrt(H), the LM head
+    tied to model.embed_tokens); else jaxspec's FrozenKVMTPForCausalLM (SiLU, head_dim ** -0.5), with a
+    reduced vocabulary (lm_head + d2t) when `draft_vocab_size`. `layer_ids` default: the last two target
+    layers (one per draft layer); `sliding` makes the first draft layer a sliding-window one."""
+    g, r = geom(target), _Rand(seed)
+    ids = list(layer_ids if layer_ids is not None else [g.layers - 2, g.layers - 1][-min(2, g.layers):])
+    d_model, nh = hidden or g.hidden, heads or g.heads
+    q = nh * g.head_dim
+    t = {"pre_projection.weight": r.mat(d_model, 2 * g.hidden), "post_projection.weight": r.mat(g.hidden, d_model),
+         "model.norm.weight": r.norm(d_model)}
+    for i in range(len(ids)):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": r.norm(d_model), p + "self_attn.q_proj.weight": r.mat(q, d_model),
+                  p + "self_attn.o_proj.weight": r.mat(d_model, q), p + "post_attention_layernorm.weight": r.norm(d_model),
+                  p + "pre_feedforward_layernorm.weight": r.norm(d_model),
+                  p + "mlp.gate_proj.weight": r.mat(g.inter, d_model), p + "mlp.up_proj.weight": r.mat(g.inter, d_model),
+                  p + "mlp.down_proj.weight": r.mat(d_model, g.inter),
+                  p + "post_feedforward_layernorm.weight": r.norm(d_model),
+                  p + "layer_scalar": np.asarray([0.5 + 0.5 * r.rng.random()], np.float32)})
+        if published:
+            t[p + "self_attn.q_norm.weight"] = r.norm(g.head_dim)
+    types = ["sliding_attention" if (sliding and i == 0) else "full_attention" for i in range(len(ids))]
+    text = {"model_type": "gemma4_text", "hidden_size": d_model, "intermediate_size": g.inter,
+            "num_hidden_layers": len(ids), "num_attention_heads": nh, "num_key_value_heads": g.kv_heads,
+            "head_dim": g.head_dim, "vocab_size": g.vocab, "rms_norm_eps": g.eps, "layer_types": types,
+            "num_kv_shared_layers": len(ids), "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh" if published else "silu"}
+    if sliding:
+        text["sliding_window"] = window
+    cfg = {"model_type": "gemma4_assistant" if published else "frozen_kv_mtp",
+           "architectures": ["Gemma4AssistantForCausalLM" if published else "FrozenKVMTPForCausalLM"],
+           "backbone_hidden_size": g.hidden, "use_ordered_embeddings": False, "text_config": text,
+           "target_layer_ids": ids}
+    if draft_vocab_size:
+        used = np.sort(r.rng.choice(g.vocab, draft_vocab_size, replace=False))
+        t["lm_head.weight"] = r.mat(draft_vocab_size, d_model, 8.0)
+        t["d2t"] = (used - np.arange(draft_vocab_size)).astype(np.int64)
+        cfg["draft_vocab_size"] = draft_vocab_size
+    else:
+        t["model.embed_tokens.weight"] = r.mat(g.vocab, d_model, 8.0)
+    return _write(d, cfg, t)

@@ -33,7 +33,7 @@ def plugin():
 @pytest.mark.parametrize("name, expected", [
     ("none", "none"), ("NGRAM", "ngram"), ("Standalone", "standalone"), ("eagle", "eagle"),
     ("EAGLE3", "eagle3"), ("medusa", "medusa"), ("DFlash", "dflash"), ("dspark", "dspark"),
-    ("NEXTN", "eagle"), ("nextn", "eagle"), (" eagle ", "eagle"),
+    ("NEXTN", "eagle"), ("nextn", "eagle"), (" eagle ", "eagle"), ("FROZEN_KV_MTP", "frozen_kv_mtp"),
 ])
 def test_names_are_case_insensitive_with_aliases(name, expected):
     assert A.canonical_name(name) == expected
@@ -67,6 +67,7 @@ EXPECTED = {
     "standalone":     (True, True, True, True, True),
     "eagle":          (True, True, True, True, True),
     "eagle3":         (True, True, True, True, True),
+    "frozen_kv_mtp":  (True, True, True, True, True),
     "medusa":         (True, True, True, True, True),
     "mlp_speculator": (True, False, True, True, True),
     "dflash":         (True, False, False, True, True),
@@ -81,8 +82,8 @@ def test_capabilities_of_every_builtin():
         assert info is A.registration(name).info and A.registration(name).builtin
         assert tuple(getattr(info, c) for c in CAPS) == caps, name
     assert A.algorithm_info("nextn") is A.algorithm_info("eagle")
-    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "medusa", "mlp_speculator",
-                                     "dflash", "dspark")
+    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "frozen_kv_mtp", "medusa",
+                                     "mlp_speculator", "dflash", "dspark")
 
 
 def test_auto_verify_is_the_coupled_rule_for_every_drafter():
@@ -221,7 +222,7 @@ def test_validate_errors(kw, message):
 def test_unimplemented_algorithm_is_refused_by_name(plugin):
     plugin("notyet", AlgorithmInfo(implemented=False))
     with pytest.raises(SpecConfigError, match=r"spec.algorithm='notyet' is not implemented yet; implemented: none, "
-                                              r"ngram, standalone, eagle, eagle3, medusa, mlp_speculator, dflash, dspark"):
+                                              r"ngram, standalone, eagle, eagle3, frozen_kv_mtp, medusa, mlp_speculator, dflash, dspark"):
         A.validate_spec_config(spec(algorithm="notyet"))
 
 
@@ -273,6 +274,7 @@ def test_simulate_accept_length_runs_only_in_a_benchmark():
 def test_each_builtin_declares_its_heads_shipped_head_and_loader():
     heads = {r.name: r.head_kinds for r in A.registrations() if r.head_kinds}
     assert heads == {"eagle": ("eagle", "mtp_deepseek", "mtp_mimo"), "eagle3": ("eagle3",), "medusa": ("medusa",),
+                     "frozen_kv_mtp": ("frozen_kv",),
                      "mlp_speculator": ("mlp_speculator",), "dflash": ("dflash",), "dspark": ("dspark",)}
     assert {r.name for r in A.registrations() if r.shipped_head} == {"eagle3", "medusa", "dflash", "dspark"}
     assert all(A.shipped_head(n).joinpath("config.json").is_file() for n in ("eagle3", "medusa", "dflash", "dspark"))
@@ -286,7 +288,7 @@ def test_each_builtin_declares_its_heads_shipped_head_and_loader():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(algorithm="mlp_speculator", draft_model="/heads/mlp", tree_choices="[[0]]"),
-     r"spec.tree_choices \(--tree-choices\) is read by standalone, eagle, eagle3 and medusa only; "
+     r"spec.tree_choices \(--tree-choices\) is read by standalone, eagle, eagle3, frozen_kv_mtp and medusa only; "
      r"--spec mlp_speculator would ignore it"),
     (dict(algorithm="dflash", sps_table="flat"), r"spec.sps_table \(--sps-table\) is read by dspark only"),
     (dict(algorithm="eagle3", draft_layers=2), r"spec.draft_layers \(--draft-layers\) is read by standalone only"),

@@ -10,11 +10,11 @@ output; these tests would see it.
 
 1. End to end (prefill, drafter, verify, commit, observe, noise keying) through
    the Engine on the V = 8 tiny target of tests/test_loop_distribution.py, with
-   heads written by tests/heads_fixtures.py (EAGLE-3 with draft_vocab_size 5):
-   the sampled multi-draft trees (topk 2) of eagle, eagle3 and medusa and the
-   eagle3 chain at T = 1 and at T = 0.7 / top_p = 0.9; the other chains (their
-   q comes from the same `choose_draft`) and eagle3's one-hot top-k tree at
-   T = 1. The joint of the first 3 generated tokens over SEEDS = 100,000 seeds
+   heads written by tests/heads_fixtures.py (EAGLE-3 and FROZEN_KV_MTP with
+   draft_vocab_size 5): the sampled multi-draft trees (topk 2) of eagle, eagle3,
+   medusa and frozen_kv_mtp and the eagle3 chain at T = 1 and at T = 0.7 /
+   top_p = 0.9; the other chains (their q comes from the same `choose_draft`)
+   and eagle3's one-hot top-k tree at T = 1. The joint of the first 3 generated tokens over SEEDS = 100,000 seeds
    per case is chi-square tested (p > ALPHA) against the exact joint from
    Hugging Face logits. Positive controls, on CONTROL_SEEDS = 20,000 seeds, fail
    (p < 1e-6): the eagle3 chain with its drafter's q replaced by a wrong one
@@ -77,11 +77,13 @@ CASES = {
     "medusa-chain": ("medusa", 1, 3, 4, "sampled"),
     "medusa-tree": ("medusa", 2, 3, 6, "sampled"),
     "mlp_speculator-chain": ("mlp_speculator", 1, 3, 4, "sampled"),
+    "frozen_kv-chain": ("frozen_kv_mtp", 1, 3, 4, "sampled"),
+    "frozen_kv-tree": ("frozen_kv_mtp", 2, 3, 6, "sampled"),
 }
 T1, T07 = (1.0, 1.0), (0.7, 0.9)
 # (case, (temperature, top_p)): every sampled tree and one chain at both temperatures.
 RUNS = [(name, t) for name in CASES for t in (T1, T07)
-        if t == T1 or name in ("eagle-tree", "eagle3-chain", "eagle3-tree", "medusa-tree")]
+        if t == T1 or name in ("eagle-tree", "eagle3-chain", "eagle3-tree", "medusa-tree", "frozen_kv-tree")]
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +132,11 @@ def exact(tiny):  # noqa: F811
     return get
 
 
-def eagle3_draft_ids(heads) -> np.ndarray:
-    """The target ids of EAGLE-3's draft vocabulary (d2t offsets + draft index)."""
+def eagle3_draft_ids(heads, alg: str = "eagle3") -> np.ndarray:
+    """The target ids of a reduced draft vocabulary (d2t offsets + draft index)."""
     from safetensors.numpy import load_file
 
-    d2t = load_file(str(heads["eagle3"] / "model.safetensors"))["d2t"]
+    d2t = load_file(str(heads[alg] / "model.safetensors"))["d2t"]
     return np.arange(DRAFT_VOCAB) + d2t
 
 
@@ -147,10 +149,10 @@ def test_loop_with_feature_drafter_samples_the_target(engines, exact, heads, nam
     toks, accepts = first_three(engines(name), temperature, top_p, seeds=range(SEEDS))
     # The accept paths must be what is tested: many verify steps accept at least one draft.
     assert np.sum(accepts > 1) > 2000, f"{name}: only {np.sum(accepts > 1)} steps accepted a draft"
-    if name.startswith("eagle3"):
+    if name.startswith(("eagle3", "frozen_kv")):
         # The reduced vocabulary is exercised: the target emits tokens the head can never draft
         # (those come only from the residual), often enough to weigh in the chi-square.
-        outside = ~np.isin(toks, eagle3_draft_ids(heads))
+        outside = ~np.isin(toks, eagle3_draft_ids(heads, CASES[name][0]))
         assert outside.mean() > 0.02, f"only {outside.mean():.3f} of tokens are outside the draft vocabulary"
     p = chi_square_p(joint_counts(toks), exact(temperature, top_p))
     assert p > ALPHA, f"{name} at T={temperature}, top_p={top_p}: joint of the first 3 tokens, chi-square p={p:.2e}"

@@ -537,12 +537,14 @@ def test_missing_head_directory_says_it_does_not_exist(tmp_path, target):
 def test_every_kind_has_one_family_and_detection_follows_the_family_order():
     from jaxspec.models.heads import family as F
 
-    assert [f.name for f in F.families()] == ["mlp_speculator", "medusa", "block", "eagle3", "eagle"]
-    assert sorted(F.kinds()) == sorted(["mlp_speculator", "medusa", "dflash", "dspark", "eagle3", "eagle",
-                                        "mtp_deepseek", "mtp_mimo"])
-    assert F.trainable_kinds() == ("medusa", "dflash", "dspark", "eagle3", "eagle")
-    # An EAGLE-3 config is also a one-layer Llama config: the EAGLE-3 family is asked first.
+    assert [f.name for f in F.families()] == ["mlp_speculator", "medusa", "block", "frozen_kv", "eagle3", "eagle"]
+    assert sorted(F.kinds()) == sorted(["mlp_speculator", "medusa", "dflash", "dspark", "frozen_kv", "eagle3",
+                                        "eagle", "mtp_deepseek", "mtp_mimo"])
+    assert F.trainable_kinds() == ("medusa", "dflash", "dspark", "frozen_kv", "eagle3", "eagle")
+    # An EAGLE-3 config is also a one-layer Llama config: the EAGLE-3 family is asked first; a
+    # FROZEN_KV_MTP config may carry draft_vocab_size too, so its family is asked before EAGLE-3's.
     assert detect_format({"num_hidden_layers": 1, "hidden_size": 8, "draft_vocab_size": 4}) == "eagle3"
+    assert detect_format({"architectures": ["Gemma4AssistantForCausalLM"], "draft_vocab_size": 4}) == "frozen_kv"
     assert detect_format({"num_hidden_layers": 1, "hidden_size": 8}) == "eagle"
     with pytest.raises(ValueError, match="unknown head kind 'nope'; kinds: mlp_speculator, medusa"):
         F.family_of("nope")

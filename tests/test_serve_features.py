@@ -28,7 +28,7 @@ from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.llama import forward, prepare_params
 from jaxspec.models.loading import load_model
 from jaxspec.serve.server import build_server
-from tests.heads_fixtures import write_block_head, write_eagle3_head, write_medusa_head
+from tests.heads_fixtures import write_block_head, write_eagle3_head, write_frozen_kv_head, write_medusa_head
 from tests.test_serve_scheduler import NEW, PROMPTS, config, run_all
 
 
@@ -44,12 +44,14 @@ def world(tiny_dirs, tmp_path_factory):
                 eagle3=write_eagle3_head(tmp / "eagle3", hf, layer_ids=[0, 1, 2], convention="input"),
                 medusa=write_medusa_head(tmp / "medusa", hf, num_heads=3),
                 dflash=write_block_head(tmp / "dflash", hf, kind="dflash", layer_ids=(0,)),
-                dspark=write_block_head(tmp / "dspark", hf, kind="dspark", block_size=5, layer_ids=(0,)))
+                dspark=write_block_head(tmp / "dspark", hf, kind="dspark", block_size=5, layer_ids=(0,)),
+                frozen_kv=write_frozen_kv_head(tmp / "frozen_kv", hf, draft_vocab_size=64))
 
 
 EAGLE3 = lambda w: {"spec.algorithm": "eagle3", "spec.draft_model": str(w["eagle3"]),  # noqa: E731
                     "spec.eagle3_layer_ids": "input"}
 MEDUSA = lambda w: {"spec.algorithm": "medusa", "spec.draft_model": str(w["medusa"])}  # noqa: E731
+FROZEN_KV = lambda w: {"spec.algorithm": "nextn", "spec.draft_model": str(w["frozen_kv"])}  # noqa: E731
 
 
 class StateProbe:
@@ -90,14 +92,19 @@ class StateProbe:
 
 # 5 prompts of 1..22 tokens, 4 batch slots: rows join and leave between calls and slots are reused;
 # 25 pages x 4 tokens cannot hold them all with their lookahead: rows get preempted and recomputed.
+# FROZEN_KV_MTP (selected from --spec nextn by its head, as SGLang promotes): its seed is the probed
+# pending feature, and the target K/V it reads are the verify's own pages through the same page table,
+# so a re-prefilled row whose pages were wrong would already fail the answers.
 @pytest.mark.parametrize("head, spec", [
     ("eagle3", {"spec.num_draft_tokens": 4}),  # chain of 3
     ("medusa", {"spec.topk": 2, "spec.num_steps": 2, "spec.num_draft_tokens": 5}),  # fixed tree
+    ("frozen_kv", {"spec.topk": 2, "spec.num_steps": 2, "spec.num_draft_tokens": 4}),  # EAGLE-2 tree
 ])
 def test_feature_drafter_through_preemption_is_exact(world, head, spec):
-    extra = {**(EAGLE3 if head == "eagle3" else MEDUSA)(world), **spec, "serve.adaptive": False,
-             "engine.num_pages": 25}
+    extra = {**{"eagle3": EAGLE3, "medusa": MEDUSA, "frozen_kv": FROZEN_KV}[head](world), **spec,
+             "serve.adaptive": False, "engine.num_pages": 25}
     server = build_server(config(world["path"], **extra), model=world["model"], progress=False)
+    assert server.runner.drafter.target_kv_layers == ((0, 1) if head == "frozen_kv" else ())
     probe = StateProbe(server, world["model"])
     got, seqs = run_all(server, PROMPTS, NEW, probe)
     assert got == world["reference"]

@@ -25,6 +25,7 @@ from jaxspec.engine.runner import RowInput
 from jaxspec.models.llama import forward
 from jaxspec.models.loading import load_model
 from jaxspec.speculative.loop import spec_iteration
+from jaxspec.speculative.drafters.load import load_draft
 from jaxspec.speculative.drafters.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, chi_square_pvalue, hf_first_two_marginals, hf_greedy
 
@@ -282,14 +283,23 @@ def test_whole_cache_copy_detector_catches_a_copying_loop(llama):
     dict(algorithm="ngram", topk=2, num_steps=2, num_draft_tokens=5),
     dict(algorithm="standalone", topk=1, num_steps=2, num_draft_tokens=3),
     dict(algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4, simulate_accept_length=2),
-], ids=["ngram-chain", "ngram-tree", "standalone-chain", "synthetic"])
-def test_loop_body_never_copies_the_cache(llama, spec_kw):
+    dict(algorithm="frozen_kv_mtp", topk=2, num_steps=2, num_draft_tokens=4),
+], ids=["ngram-chain", "ngram-tree", "standalone-chain", "synthetic", "frozen-kv-tree"])
+def test_loop_body_never_copies_the_cache(llama, spec_kw, tmp_path):
     # A whole-cache copy per iteration costs more than the verify forward on a
     # large pool. It crept in once: with forced acceptance the chain's (no-op) KV
     # move did not depend on the forward, so XLA scheduled it beside the last
     # layer's attention and copied the cache to allow that. The compiled loop
-    # must update the carry in place. (Detector: test_whole_cache_copy_detector_catches_a_copying_loop.)
-    engine = spec_engine(llama[0], **spec_kw)
+    # must update the carry in place. FROZEN_KV_MTP's propose reads the target
+    # cache itself (two layers' pools, sliced from the carry) before the verify
+    # writes it: still no copy. (Detector: test_whole_cache_copy_detector_catches_a_copying_loop.)
+    draft = None
+    if spec_kw["algorithm"] == "frozen_kv_mtp":
+        from tests.heads_fixtures import write_frozen_kv_head
+
+        spec_kw = dict(spec_kw, draft_model=str(write_frozen_kv_head(tmp_path / "fkv", llama[1])))
+        draft = load_draft(SpecSection(**spec_kw), llama[0], jnp.float32, progress=False)
+    engine = spec_engine(llama[0], draft=draft, **spec_kw)
     engine.generate([Request([5, 17, 33, 9], SamplingParams(max_tokens=8))])
     decode = [(key, ex) for key, ex in engine.runner._compiled.items() if key[0] == "decode"]
     assert decode, "no decode executable was compiled: nothing would be checked"

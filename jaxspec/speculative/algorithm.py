@@ -349,6 +349,22 @@ def _drafter_checks(s: SpecSection, reg: Registration) -> list[tuple[bool, str]]
     return checks
 
 
+def promoted(name: str, draft_model: str) -> str:
+    """EAGLE (and its NEXTN alias) given a FROZEN_KV_MTP draft runs as frozen_kv_mtp, as SGLang
+    promotes NEXTN/EAGLE when the draft's `architectures` is a Gemma 4 assistant."""
+    if name != "eagle" or not draft_model or draft_model == "default":
+        return name
+    import json
+
+    from jaxspec.models.heads.frozen_kv import detect
+
+    try:
+        cfg = json.loads((Path(draft_model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return name  # the loader reports an unreadable head directory
+    return "frozen_kv_mtp" if isinstance(cfg, dict) and detect(cfg) else name
+
+
 def validate_spec_config(spec: SpecSection) -> SpecSection:
     """Check [spec]; return it with `algorithm` canonicalised. `drafters.validate_config` calls this
     where a config becomes an engine, the one place a spec is validated.
@@ -362,6 +378,7 @@ def validate_spec_config(spec: SpecSection) -> SpecSection:
         name = canonical_name(spec.algorithm)
     except SpecConfigError as e:
         raise SpecConfigError(f"spec.algorithm: {e}") from None
+    name = promoted(name, spec.draft_model)
     reg = registration(name)
     info = reg.info
     if not info.implemented:

@@ -32,7 +32,7 @@ from jaxspec.speculative.logprobs import TokenLogprobs, path_entries, record
 from jaxspec.speculative.penalties import penalize_tree
 from jaxspec.speculative.sampling import argmax_last, coupled_predict, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
-from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest
+from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest, TargetKV
 from jaxspec.speculative.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
 
 
@@ -160,9 +160,22 @@ def _simulate(plan: SpecPlan, result, logits):
     return type(result)(accept_index.astype(jnp.int32), forced, bonus.astype(jnp.int32))
 
 
+def target_kv(drafter, cache: KVCache | None) -> TargetKV | None:
+    """The target cache as `propose` may see it: the declared layers' pools, or nothing."""
+    layers = tuple(int(i) for i in getattr(drafter, "target_kv_layers", ()) or ())
+    if not layers or cache is None:
+        return None
+    bad = [i for i in layers if not 0 <= i < cache.k.shape[0]]
+    if bad:
+        raise DrafterContractError(f"drafter {type(drafter).__name__} declares target_kv_layers {list(layers)}; "
+                                   f"{bad} are outside the target's {cache.k.shape[0]} layers")
+    return TargetKV(layers, tuple(cache.k[i] for i in layers), tuple(cache.v[i] for i in layers))
+
+
 def draft_phase(plan: SpecPlan, drafter, draft_params, s: SpecState):
     """1. Draft: (tokens [B,N], parents [B,N] | None, draft_probs [B,N,V] | None, drafter state)."""
-    tokens, parents, draft_probs, draft_state = drafter.propose(draft_params, s.draft, s)
+    tokens, parents, draft_probs, draft_state = drafter.propose(draft_params, s.draft,
+                                                                dataclasses.replace(s, cache=target_kv(drafter, s.cache)))
     # The declaration is the contract (checked when traced, so at compile time): the verifier
     # trusts draft_probs as the q each draft was drawn from, and one-hot verifies the rest.
     declared = bool(getattr(drafter, "provides_draft_probs", False))

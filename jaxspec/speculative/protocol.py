@@ -29,6 +29,11 @@ Static declarations (plain attributes, read once when the engine is built):
       Target runtime params the drafter reads ("embed", "head",
       "final_norm"); the engine passes them, without a copy, as
       `draft_params["target"]`.
+  target_kv_layers: tuple[int, ...]
+      Target decoder layers whose paged K/V the drafter reads (FROZEN_KV_MTP);
+      `propose` then gets `s.cache` as a `types.TargetKV` of exactly those
+      layers' pools, read-only, sliced from the loop's cache carry without a
+      copy. Undeclared (the default, ()): `s.cache` is None in `propose`.
 
 Calls (pure, jitted inside the engine's programs, except prepare_params):
 
@@ -43,7 +48,7 @@ Calls (pure, jitted inside the engine's programs, except prepare_params):
       slots chunk.start.., `chunk.features` their target features).
   propose(params, state, s: SpecState) -> Proposal
       Draft the tree for loop state `s` (history, hist_len, page table, done,
-      sampling, corpus). A drafter that samples under the rejection rule draws
+      sampling, corpus; `s.cache` the declared target KV layers or None). A drafter that samples under the rejection rule draws
       its noise with `sampling.draft_noise(seed, s.hist_len, depth, size)`: the
       step's own draft stream, independent of every earlier step's and of the
       verify's coins (losslessness needs it), and returns q (declaring
@@ -99,6 +104,7 @@ class DrafterBase:
     target_features: FeatureRequest = FeatureRequest()
     provides_draft_probs: bool = False
     shares_target: tuple[str, ...] = ()
+    target_kv_layers: tuple[int, ...] = ()
 
     def prepare_params(self, loaded, *, native: bool, unstack) -> Any:
         return loaded

@@ -24,6 +24,17 @@ class Proposal(NamedTuple):
     state: Any  # the drafter's new state
 
 
+class TargetKV(NamedTuple):
+    """The target cache's layers a drafter declared (`target_kv_layers`), read-only in `propose`.
+
+    Per declared layer its page pool [P, page_size, kvh, hd] (RoPE applied), a slice of the loop's
+    cache carry: no copy is made, and writing is impossible (propose returns no cache). Slots below
+    hist_len - 1 hold the committed tokens' K/V; the root's is written by the verify forward."""
+    layers: tuple[int, ...]
+    k: tuple[Float[Array, "P S KVH HD"], ...]
+    v: tuple[Float[Array, "P S KVH HD"], ...]
+
+
 class FeatureRequest(NamedTuple):
     """Which target hidden states a drafter reads (a static declaration).
 

@@ -1,4 +1,4 @@
-"""Drafter training losses: EAGLE-3 with training-time test, EAGLE-1, Medusa. Pure JAX.
+"""Drafter training losses: EAGLE-3 with training-time test, FROZEN_KV_MTP, EAGLE-1, Medusa. Pure JAX.
 
 Every loss is `loss(params, batch, shared, rng, *, hcfg, lcfg) -> (scalar, metrics)` with
 `params` the head's trainable weights in the loaders' Hugging Face layout (what
@@ -167,25 +167,82 @@ def eagle3_ttt(params: dict, hcfg: HeadConfig, shared: dict, batch: dict, ttt_le
     return values
 
 
+def _distill_step(batch: dict, target_p: jax.Array, in_draft: jax.Array, s: int, logits: jax.Array):
+    """(loss, top-1) of unrolled step s, whose prediction at index i is token x_{i+2+s}."""
+    tp = shift(target_p, 1 + s)
+    counted = predicts_mask(batch, 2 + s)
+    mask = counted & shift(in_draft, 1 + s)
+    count = jnp.sum(counted).astype(jnp.float32)
+    ce = -jnp.sum(tp * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    hit = jnp.argmax(logits, axis=-1) == jnp.argmax(tp, axis=-1)
+    return _masked_mean(ce, mask, count), _masked_mean(hit.astype(jnp.float32), mask, count)
+
+
+def _weighted(vals: list, lcfg: LossConfig):
+    losses = jnp.stack([v[0] for v in vals])
+    acc = jnp.stack([v[1] for v in vals])
+    w = lcfg.step_weight_decay ** jnp.arange(len(vals), dtype=jnp.float32)
+    loss = jnp.sum(w * losses)
+    return loss, {"loss": loss, "step_loss": losses, "acc": acc}
+
+
 def eagle3_loss(params, batch, shared, rng, *, hcfg: HeadConfig, lcfg: LossConfig):
     del rng
     target_p, in_draft = eagle3_targets(batch, shared)
+    per_step = lambda s, logits: _distill_step(batch, target_p, in_draft, s, logits)  # noqa: E731
+    return _weighted(eagle3_ttt(params, hcfg, shared, batch, lcfg.ttt_length, per_step, lcfg.remat), lcfg)
 
-    def per_step(s, logits):
-        tp = shift(target_p, 1 + s)
-        counted = predicts_mask(batch, 2 + s)
-        mask = counted & shift(in_draft, 1 + s)
-        count = jnp.sum(counted).astype(jnp.float32)
-        ce = -jnp.sum(tp * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-        hit = jnp.argmax(logits, axis=-1) == jnp.argmax(tp, axis=-1)
-        return _masked_mean(ce, mask, count), _masked_mean(hit.astype(jnp.float32), mask, count)
 
-    vals = eagle3_ttt(params, hcfg, shared, batch, lcfg.ttt_length, per_step, lcfg.remat)
-    losses = jnp.stack([v[0] for v in vals])
-    acc = jnp.stack([v[1] for v in vals])
-    w = lcfg.step_weight_decay ** jnp.arange(lcfg.ttt_length, dtype=jnp.float32)
-    loss = jnp.sum(w * losses)
-    return loss, {"loss": loss, "step_loss": losses, "acc": acc}
+# --------------------------------------------------------------------------- #
+# FROZEN_KV_MTP
+# --------------------------------------------------------------------------- #
+
+
+def frozen_kv_context(batch: dict, shared: dict, hcfg: HeadConfig) -> list:
+    """Per draft layer (k, v [B, T, kvh, hd], visible [B, T, T]): the target's own K/V of its layer,
+    recomputed from the captured residual entering it (`aux`) with the target's frozen input norm,
+    k/v projections and RoPE, exactly what its cache holds. Query i sees keys 0 .. i."""
+    from jaxspec.models.heads.frozen_kv import window_mask
+    from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
+
+    c, h = hcfg.layer, hcfg.target_hidden_size
+    tokens = batch["tokens"]
+    b, t = tokens.shape
+    aux = _f32(batch["aux"])
+    cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t)), rope_inv_freq(c))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
+    i = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32)[None, :], (b, t))
+    out = []
+    for j in range(len(hcfg.target_kv_layers)):
+        y = rms_norm(aux[..., j * h:(j + 1) * h], shared["kv_norm"][j], shared["kv_eps"])
+        k = apply_rope(linear(y, shared["kv_wk"][j]).reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = linear(y, shared["kv_wv"][j]).reshape(b, t, c.num_kv_heads, c.head_dim)
+        out.append((jax.lax.stop_gradient(k), jax.lax.stop_gradient(v), window_mask(causal, i, hcfg, j)))
+    return out
+
+
+def frozen_kv_loss(params, batch, shared, rng, *, hcfg: HeadConfig, lcfg: LossConfig):
+    """The inference rounds, unrolled: step s at index i is draft s + 1 of the round whose last slot
+    with K/V is i (seed h = the target's final-norm state at i, root x_{i+1}); every step's query
+    sits at position i and sees target keys 0 .. i, its h is the previous step's output and its
+    token x_{i+1+s} (the accepted draft). Targets and weights as EAGLE-3's."""
+    del rng
+    from jaxspec.models.heads.frozen_kv import frozen_kv_step, prepare_frozen_kv_params
+
+    target_p, in_draft = eagle3_targets(batch, shared)
+    own = prepare_frozen_kv_params(params, hcfg)
+    tokens = batch["tokens"]
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
+    ctx = frozen_kv_context(batch, shared, hcfg)
+    h, vals = _f32(batch["final"]), []
+    for s in range(lcfg.ttt_length):
+        def one(own, h, s=s):
+            h, logits = frozen_kv_step(own, hcfg, shared, shift(tokens, 1 + s), h, pos, ctx)
+            return h, _distill_step(batch, target_p, in_draft, s, logits)
+
+        h, val = (jax.checkpoint(one) if lcfg.remat else one)(own, h)
+        vals.append(val)
+    return _weighted(vals, lcfg)
 
 
 # --------------------------------------------------------------------------- #

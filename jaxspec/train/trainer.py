@@ -52,6 +52,7 @@ class TrainConfig:
     step_weight_decay: float = 0.8
     draft_vocab_size: int = 32000  # EAGLE-3; capped at the target vocabulary
     feature_layers: tuple[int, ...] = ()  # EAGLE-3 "entering layer k" ids; () = (2, L//2, L-3)
+    target_kv_layers: tuple[int, ...] = ()  # FROZEN_KV_MTP: the target layers it reads; () = the last two
     num_medusa_heads: int = 4
     medusa_labels: str = "argmax"  # or "tokens"
     # "own": a trained LM head per Medusa head (Medusa-1; 4 x V x H weights, 226 MB in bf16 for
@@ -118,7 +119,7 @@ class TrainConfig:
 
 
 # What must not change between a run and its resume (the rest, e.g. intervals or total_steps, may).
-_FIXED = ("drafter", "draft_vocab_size", "feature_layers", "num_medusa_heads", "medusa_head", "batch_size",
+_FIXED = ("drafter", "draft_vocab_size", "feature_layers", "target_kv_layers", "num_medusa_heads", "medusa_head", "batch_size",
           "max_len", "seed", "length_group", "eagle3_head_init", "block_layers", "block_size", "mask_token_id",
           "markov_rank")
 
@@ -259,12 +260,21 @@ def _source_counts(source, vocab: int, batch_size: int, seed: int) -> np.ndarray
 # --------------------------------------------------------------------------- #
 
 
-def shared_target(target, draft_ids=None) -> dict:
-    """The target runtime tensors the losses read (embed, head; EAGLE-3 adds draft_ids, t2d)."""
+def shared_target(target, draft_ids=None, kv_layers: tuple[int, ...] = ()) -> dict:
+    """The target runtime tensors the losses read (embed, head; EAGLE-3 adds draft_ids, t2d;
+    FROZEN_KV_MTP the input norm and k/v projections of the layers whose K/V it reads)."""
     from jaxspec.models.llama import prepare_params
 
     rt = prepare_params(target.params, target.config, unstack=False)
     out = {"embed": rt["embed"], "head": rt["head"], "final_norm": rt["final_norm"]}
+    if kv_layers:
+        c = target.config
+        if c.qkv_bias or c.qk_norm:
+            raise ValueError("training a frozen_kv head recomputes the target's K/V from its captured layers, "
+                             "which covers Llama-style attention only (this target has q/k/v bias or q/k norms)")
+        ids = jnp.asarray(kv_layers, jnp.int32)
+        out.update({"kv_norm": rt["layers"]["attn_norm"][ids], "kv_wk": rt["layers"]["wk"][ids],
+                    "kv_wv": rt["layers"]["wv"][ids], "kv_eps": jnp.float32(c.rms_norm_eps)})
     if draft_ids is not None:
         ids = jnp.asarray(draft_ids, jnp.int32)
         out["draft_ids"] = ids
@@ -277,7 +287,7 @@ def make_head_config(cfg: TrainConfig, target_cfg):
     return head_config(cfg.drafter, target_cfg, draft_vocab_size=cfg.draft_vocab_size, num_heads=cfg.num_medusa_heads,
                        medusa_head=cfg.medusa_head, feature_layers=tuple(cfg.feature_layers) or None,
                        num_layers=cfg.block_layers, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                       markov_rank=cfg.markov_rank)
+                       markov_rank=cfg.markov_rank, target_kv_layers=tuple(cfg.target_kv_layers) or None)
 
 
 def init_train_params(hcfg, shared: dict, seed: int, draft_ids=None, head_init: str = "random") -> dict:
@@ -417,6 +427,10 @@ def check_source(source, target, hcfg) -> None:
             and tuple(layers) != tuple(hcfg.feature_layers)):
         raise ValueError(f"{where} captured layers {tuple(layers)}, the {hcfg.kind} head reads {hcfg.feature_layers}: "
                          "set feature_layers or rebuild the cache")
+    if hcfg.target_kv_layers and layers is not None and tuple(layers) != tuple(hcfg.target_kv_layers):
+        raise ValueError(f"{where} captured layers {tuple(layers)}, the {hcfg.kind} head reads the K/V of target "
+                         f"layers {hcfg.target_kv_layers} (recomputed from the state entering them): set "
+                         "target_kv_layers or rebuild the cache with those layers")
 
 
 def _fmt(x) -> Any:
@@ -461,7 +475,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
         np.save(vocab_file, draft_ids)
     else:
         draft_ids = None
-    shared = shared_target(target, draft_ids)
+    shared = shared_target(target, draft_ids, hcfg.target_kv_layers)
     tx, sched = make_optimizer(cfg)
     params = init_train_params(hcfg, shared, cfg.seed, draft_ids, cfg.eagle3_head_init)
     if warm is not None:

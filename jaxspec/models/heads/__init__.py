@@ -7,4 +7,4 @@ and the layouts each loader accepts are described where they are implemented.
 
 # The family modules register at import (family.py): importing any module of this package imports
 # them first, so a lookup by head kind always sees every family.
-from jaxspec.models.heads import mlp_speculator, medusa, block, eagle3, eagle  # noqa: E402, F401
+from jaxspec.models.heads import mlp_speculator, medusa, block, frozen_kv, eagle3, eagle  # noqa: E402, F401

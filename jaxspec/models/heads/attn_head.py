@@ -153,7 +153,7 @@ def attn_head_step(
 
 
 def draft_to_target(params: dict, hcfg: HeadConfig) -> jax.Array | None:  # [Vd] int32 absolute target ids
-    if hcfg.kind != "eagle3" or "d2t" not in params:
+    if "d2t" not in params:  # EAGLE-3's and FROZEN_KV_MTP's reduced vocabularies
         return None
     d2t = jnp.asarray(params["d2t"]).astype(jnp.int32)
     return jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t
@@ -172,6 +172,10 @@ def prepare_head_params(params: dict, hcfg: HeadConfig, *, native: bool = False)
         from jaxspec.models.heads.mlp_speculator import prepare_mlp_params
 
         return prepare_mlp_params(params, hcfg, native=native)
+    if hcfg.kind == "frozen_kv":
+        from jaxspec.models.heads.frozen_kv import prepare_frozen_kv_params
+
+        return prepare_frozen_kv_params(params, hcfg, native=native)
     out = {}
     for key, val in params.items():
         if key == "lm_head":

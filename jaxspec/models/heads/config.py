@@ -51,6 +51,12 @@ class HeadConfig:
     input_embedding_scale: float = 1.0
     markov_rank: int = 0  # dspark: rank of the Markov bias W2 . W1[t_prev]
     confidence: bool = False  # dspark: a per-position confidence head
+    # FROZEN_KV_MTP (jaxspec.models.heads.frozen_kv): per draft layer, the target layer whose cached
+    # K/V it attends to (read-only); the MLP activation and the query scale (Gemma 4: 1.0, its keys
+    # and queries are RMS-normed; a Llama target's are not: head_dim ** -0.5).
+    target_kv_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    query_scale: float = 0.0
 
     @property
     def feature_width(self) -> int:

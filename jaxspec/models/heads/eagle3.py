@@ -47,6 +47,23 @@ def parse(kind: str, cfg: dict, t, convention: str) -> HeadConfig:
                       own_head=True, norm_before_residual=bool(cfg.get("norm_before_residual", False)))
 
 
+def check_d2t(raw, v: int, what: str) -> jnp.ndarray:
+    """A reduced vocabulary's offsets (target id = draft id + d2t) as int32, checked in range and
+    injective: two draft ids on one target id would drop q mass, a lossy rejection."""
+    d2t = np.asarray(raw).astype(np.int64)
+    ids = np.arange(d2t.shape[0]) + d2t
+    bad = np.flatnonzero((ids < 0) | (ids >= v))
+    if bad.size:
+        raise LoadError(f"{what} d2t maps draft ids {bad[:4].tolist()} to target ids {ids[bad[:4]].tolist()} "
+                        f"outside the target vocabulary [0, {v})")
+    uniq, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        dup = uniq[counts > 1][:4]
+        raise LoadError(f"{what} d2t maps several draft ids to one target id (target ids {dup.tolist()}); "
+                        "the map must be injective")
+    return jnp.asarray(d2t.astype(np.int32))
+
+
 def read(t, cfg: dict, hcfg: HeadConfig, target) -> tuple[HeadConfig, dict]:
     from jaxspec.models.heads.loading import check_embed, read_layer
 
@@ -61,18 +78,7 @@ def read(t, cfg: dict, hcfg: HeadConfig, target) -> tuple[HeadConfig, dict]:
     }
     params.update(read_layer(t, pre, c, 2 * h))
     if "d2t" in t:
-        d2t = t.raw("d2t", (dv,)).astype(np.int64)
-        ids = np.arange(dv) + d2t
-        bad = np.flatnonzero((ids < 0) | (ids >= v))
-        if bad.size:
-            raise LoadError(f"EAGLE-3 d2t maps draft ids {bad[:4].tolist()} to target ids {ids[bad[:4]].tolist()} "
-                            f"outside the target vocabulary [0, {v})")
-        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        if (counts > 1).any():  # two draft ids on one target id would drop q mass: lossy rejection
-            dup = uniq[counts > 1][:4]
-            raise LoadError(f"EAGLE-3 d2t maps several draft ids to one target id (target ids {dup.tolist()}); "
-                            "the map must be injective")
-        params["d2t"] = jnp.asarray(d2t.astype(np.int32))
+        params["d2t"] = check_d2t(t.raw("d2t", (dv,)), v, "EAGLE-3")
     elif dv != v:
         t.raw("d2t")  # a reduced vocabulary without its map cannot be used
     if "t2d" in t:

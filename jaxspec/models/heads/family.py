@@ -40,8 +40,9 @@ LAYER_TENSORS = {
     "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
 # The families in detection order (an EAGLE-3 config is also a one-layer Llama config, so EAGLE-3 is
-# asked before EAGLE-1). The package's __init__ imports their modules, which register.
-MODULES = ("mlp_speculator", "medusa", "block", "eagle3", "eagle")
+# asked before EAGLE-1; a FROZEN_KV_MTP config has draft_vocab_size too, so it is asked before EAGLE-3).
+# The package's __init__ imports their modules, which register.
+MODULES = ("mlp_speculator", "medusa", "block", "frozen_kv", "eagle3", "eagle")
 
 
 @dataclasses.dataclass(frozen=True)
