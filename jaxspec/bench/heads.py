@@ -6,8 +6,9 @@ measured acceptance is in `bench spec`). Prints Markdown tables:
 
 1. draft-step cost: one chain draft step of each head (its layer and its LM
    head over the draft vocabulary), as a fraction of one target decode step
-   (a T = 1 target forward at the same 256-token context). EAGLE-3's target is
-   <= 8% on the embedded model;
+   (a T = 1 target forward at the same 256-token context), and the draft KV it
+   keeps per token (FROZEN_KV_MTP reads the target's own: none). EAGLE-3's
+   target is <= 8% on the embedded model;
 2. the per-phase split of a forced-acceptance decode (draft = propose +
    the post-verify draft-extend, verify, other), from `Engine.profile_phases`;
 3. the ceiling: tokens/s with acceptance forced to L (`simulate_accept_length`,
@@ -47,11 +48,14 @@ def propose_ms(engine, prefix: int = 256, reps: int = 20) -> float:
     from jaxspec.engine.device_sampling import DeviceSampling
     from jaxspec.engine.core import spec_state
 
+    from jaxspec.speculative.loop import target_kv
+
     drafter, b = engine.drafter, 1
     maxp = -(-1024 // engine.ecfg.page_size)
     table = jnp.arange(1, maxp + 1, dtype=jnp.int32)[None]
     state = drafter.init_state(engine.runner.draft_cache, b)
-    s = spec_state(cache=None, draft=None, page_table=table, history=jnp.ones((b, 1024), jnp.int32),
+    # A drafter over the target's K/V (FROZEN_KV_MTP) reads the engine's own cache, as in the loop.
+    s = spec_state(cache=target_kv(drafter, engine.runner.cache), draft=None, page_table=table, history=jnp.ones((b, 1024), jnp.int32),
                    hist_len=jnp.full((b,), prefix + 1, jnp.int32), prompt_lens=jnp.ones((b,), jnp.int32),
                    done=jnp.zeros((b,), bool), accept_width=1,
                    sampling=DeviceSampling.pack([None] * b, b))  # greedy: the chat default
@@ -99,35 +103,44 @@ def main(argv=None) -> int:
     model = load_model(args.model, dtype=jnp.float32)
     prompt = chat_ids(model.tokenizer, mtbench_questions(1))[0]
     vocab = model.config.vocab_size
-    heads = {f"eagle3 (draft vocab {int(v)})": ("eagle3", dict(draft_vocab_size=int(v)))
+    L_t = model.config.num_layers
+    # name: (algorithm, head kind, head options)
+    heads = {f"eagle3 (draft vocab {int(v)})": ("eagle3", "eagle3", dict(draft_vocab_size=int(v)))
              for v in args.draft_vocab.split(",") if v}
-    heads[f"eagle3 (full vocab {vocab})"] = ("eagle3", dict(draft_vocab_size=vocab))
-    heads["eagle (EAGLE-1, target LM head)"] = ("eagle", {})
-    heads["medusa (5 heads)"] = ("medusa", dict(num_heads=5))
-    heads["mlp_speculator (5 stages)"] = ("mlp_speculator", dict(num_heads=5))
+    heads[f"eagle3 (full vocab {vocab})"] = ("eagle3", "eagle3", dict(draft_vocab_size=vocab))
+    heads["eagle (EAGLE-1, target LM head)"] = ("eagle", "eagle", {})
+    heads["medusa (5 heads)"] = ("medusa", "medusa", dict(num_heads=5))
+    heads["mlp_speculator (5 stages)"] = ("mlp_speculator", "mlp_speculator", dict(num_heads=5))
+    fkv = f"frozen_kv_mtp (2 layers on target K/V {L_t - 2}, {L_t - 1}; draft vocab 8192)"
+    heads[fkv] = ("frozen_kv_mtp", "frozen_kv", dict(draft_vocab_size=8192))
 
-    # 1. Cost of one chain draft step: propose with 5 drafts minus propose with 1, over 4.
+    # 1. Cost of one chain draft step: propose with 5 drafts minus propose with 1, over 4; and the
+    # draft KV each drafter keeps per cached token (FROZEN_KV_MTP reads the target's: none).
     t_step = target_step_ms(model)
     cost_rows, drafts = [], {}
-    for name, (kind, kw) in heads.items():
+    for name, (alg, kind, kw) in heads.items():
         draft = _head(model, kind, **kw)
-        drafts[name] = (kind, draft)
+        drafts[name] = (alg, draft)
         ms = {}
         for k in (1, 5):
-            spec = dict(algorithm=kind, topk=1, num_steps=k, num_draft_tokens=k + 1)
-            ms[k] = propose_ms(_engine(model, spec, draft))
+            spec = dict(algorithm=alg, topk=1, num_steps=k, num_draft_tokens=k + 1)
+            eng = _engine(model, spec, draft)
+            ms[k] = propose_ms(eng)
+        c = eng.drafter.draft_cache_cfg
+        kv_bytes = 0 if c is None else 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
         step = (ms[5] - ms[1]) / 4
-        cost_rows.append([name, ms[1], step, step / t_step, ms[5] / t_step])
+        cost_rows.append([name, ms[1], step, step / t_step, ms[5] / t_step, kv_bytes])
     print(f"\njaxspec feature-drafter cost: {model.path.name}, float32, batch 1, 256-token context; "
-          f"target decode step (T=1 forward) {t_step:.2f} ms")
+          f"target decode step (T=1 forward) {t_step:.2f} ms; target KV "
+          f"{2 * L_t * model.config.num_kv_heads * model.config.head_dim * 4} bytes/token")
     print_table(["head", "propose, 1 draft (ms)", "one more draft step (ms)", "draft step / target step",
-                 "5-draft propose / target step"], cost_rows)
+                 "5-draft propose / target step", "draft KV bytes/token"], cost_rows)
 
     # 2-3. Forced acceptance: phase split and the ceiling against plain decoding.
     plain = _engine(model, None)
     rows, phase_rows, bases = [], [], []
     for name in [n for n in heads if n.startswith("eagle3 (draft vocab")][:1] + [
-            "eagle (EAGLE-1, target LM head)", "medusa (5 heads)", "mlp_speculator (5 stages)"]:
+            "eagle (EAGLE-1, target LM head)", "medusa (5 heads)", "mlp_speculator (5 stages)", fkv]:
         kind, draft = drafts[name]
         n = 5  # a chain of 5 drafts
         # The full sweep for EAGLE-3 (the issue's target row), L = 4 for the rest.

@@ -236,6 +236,8 @@ def shipped_head_methods(model) -> dict:
                          ("chain k=3, adaptive", dict(topk=1, num_steps=3, num_draft_tokens=4, adaptive="on")),
                          ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8)),
                          ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
+              "frozen_kv_mtp": [("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
+                                ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8))],
               "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5)),
                          ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
               # Block drafters: the chain is the block; DSPARK's planner cuts it by the SPS table.
@@ -266,12 +268,12 @@ def parse_sampled(text: str) -> dict:
 
 
 def sampled_methods(model, methods: dict, fields: dict) -> dict:
-    """--sampled: plain and each shipped EAGLE-3 / Medusa chain and tree on sampled rows under rejection
+    """--sampled: plain and each shipped EAGLE-3 / FROZEN_KV_MTP / Medusa chain and tree on sampled rows under rejection
     verify, every tree twice (issue 30): the sampled multi-draft tree and the one-hot top-k tree."""
     tag = ", ".join(f"{k} {v:g}" for k, v in fields.items())
     out = {f"jaxspec plain ({tag})": Processed(engine_for(model, None), **fields)}
     for name, (kw, draft) in methods.items():
-        if not kw or kw["algorithm"] not in ("eagle3", "medusa") or kw.get("adaptive"):
+        if not kw or kw["algorithm"] not in ("eagle3", "frozen_kv_mtp", "medusa") or kw.get("adaptive"):
             continue
         tree = kw.get("topk", 1) > 1
         for label, ts in ((("sampled tree", "sampled"), ("one-hot tree", "topk")) if tree else (("", "sampled"),)):
