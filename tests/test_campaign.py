@@ -50,3 +50,19 @@ def test_init_continues_an_unshipped_candidate(tmp_path):
     state["rounds"][0]["shipped"] = True
     assert init_head("latest", state, head, work) == (head, 1_500_000)
     assert init_head("latest", {"tokens_seen": 7, "rounds": []}, head, work) == (head, 7)
+
+
+def test_a_frozen_kv_campaign_captures_what_its_recipe_reads():
+    """The FROZEN_KV_MTP campaign's data capture the layers its shipped recipe reads, and evaluate runs it
+    under its own algorithm; EAGLE-3's stays as it was."""
+    from types import SimpleNamespace
+
+    from jaxspec.train.campaign import CAMPAIGNS
+    from jaxspec.train.trainer import train_config
+
+    fkv, e3 = CAMPAIGNS["frozen_kv"], CAMPAIGNS["eagle3"]
+    cfg = train_config(fkv.config)
+    assert cfg.drafter == "frozen_kv" and fkv.algorithm == "frozen_kv_mtp"
+    assert fkv.request(SimpleNamespace(num_layers=30)).layers == tuple(cfg.target_kv_layers) == (28, 29)
+    assert e3.request(SimpleNamespace(num_layers=30)).layers == (2, 15, 27) and e3.heldout == "heldout"
+    assert fkv.heldout != e3.heldout  # their held-out caches capture different layers

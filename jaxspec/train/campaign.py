@@ -1,7 +1,7 @@
 """`python -m jaxspec.train campaign`: one round of the EAGLE-3 training campaign.
 
-    python -m jaxspec.train campaign [--raw N] [--regen N] [--work DIR]   # one round
-    python -m jaxspec.train campaign plot [PNG]                            # τ against tokens seen
+    python -m jaxspec.train campaign [--drafter eagle3|frozen_kv] [--raw N] [--regen N] [--work DIR]   # one round
+    python -m jaxspec.train campaign plot [PNG [DRAFTER]]                  # τ against tokens seen
 
 A round survives fresh machines: everything it needs is in the shipped head's directory
 (`campaign.json`: the rounds so far, where the next round's conversations start, the command
@@ -25,6 +25,7 @@ The caches stay in `--work` (never committed); the shipped head and campaign.jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -33,6 +34,32 @@ from pathlib import Path
 
 HEAD = Path(__file__).resolve().parents[2] / "checkpoints" / "eagle3-smollm2-135m"
 FIRST_UNUSED = 2432  # conversations the first shipped head saw (regenerated 0..2432, raw 0..1000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Campaign:
+    """What differs between the drafters a campaign trains: the head's directory, its training
+    recipe, the target states its data captures and the algorithm that evaluates it."""
+    drafter: str
+    head: Path
+    config: str
+    algorithm: str
+    heldout: str  # the shared held-out cache's directory name under --work (its captured layers differ)
+
+    def request(self, cfg):
+        from jaxspec.speculative.types import FeatureRequest
+        from jaxspec.train.data import eagle3_layers
+
+        if self.drafter == "frozen_kv":
+            return FeatureRequest((cfg.num_layers - 2, cfg.num_layers - 1), True)
+        return FeatureRequest(eagle3_layers(cfg.num_layers), True)
+
+
+CAMPAIGNS = {
+    "eagle3": Campaign("eagle3", HEAD, "configs/train/eagle3_smollm2.toml", "eagle3", "heldout"),
+    "frozen_kv": Campaign("frozen_kv", HEAD.parent / "frozen-kv-smollm2-135m", "configs/train/frozen_kv_smollm2.toml",
+                          "frozen_kv_mtp", "heldout-frozen_kv"),
+}
 
 
 def _state(head: Path) -> dict:
@@ -50,11 +77,11 @@ def _mark(marker: Path, data: dict | None = None) -> None:
     marker.write_text(json.dumps(data or {}, indent=1) + "\n")
 
 
-def build_round_data(work: Path, first: int, raw: int, regen: int, heldout: int, model) -> dict:
-    from jaxspec.speculative.types import FeatureRequest
-    from jaxspec.train.data import eagle3_layers, prepare_data
+def build_round_data(work: Path, first: int, raw: int, regen: int, heldout: int, model,
+                     campaign: Campaign = CAMPAIGNS["eagle3"]) -> dict:
+    from jaxspec.train.data import prepare_data
 
-    req = FeatureRequest(eagle3_layers(model.config.num_layers), True)
+    req = campaign.request(model.config)
     t0 = time.perf_counter()
     out = {}
     if raw:
@@ -67,14 +94,14 @@ def build_round_data(work: Path, first: int, raw: int, regen: int, heldout: int,
                          max_new_tokens=256, batch=32, feature_request=req, model=model,
                          first_conversation=first + raw)
         out["regen_tokens"] = sum(s["num_tokens"] for s in c.shards)
-    prepare_data("default", out_dir=work.parent / "heldout", num_conversations=heldout, source="regenerate",
+    prepare_data("default", out_dir=work.parent / campaign.heldout, num_conversations=heldout, source="regenerate",
                  temperature=0.0, max_len=384, max_new_tokens=256, batch=32, feature_request=req, model=model,
                  split="heldout")
     out["data_s"] = round(time.perf_counter() - t0, 1)
     return out
 
 
-def evaluate(model, heads: dict[str, Path], num_prompts: int, max_new: int = 128) -> dict:
+def evaluate(model, heads: dict[str, Path], num_prompts: int, max_new: int = 128, algorithm: str = "eagle3") -> dict:
     """MT-Bench first turns, batch 1, greedy, chain of 3: plain and each head in one run."""
     import jax.numpy as jnp
 
@@ -88,7 +115,7 @@ def evaluate(model, heads: dict[str, Path], num_prompts: int, max_new: int = 128
     plain, _ = run_engine(engine_for(model, None), prompts, max_new)
     out = {"plain_tok_s": round(median(plain), 1)}
     for name, path in heads.items():
-        kw = dict(algorithm="eagle3", draft_model=str(path), topk=1, num_steps=3, num_draft_tokens=4)
+        kw = dict(algorithm=algorithm, draft_model=str(path), topk=1, num_steps=3, num_draft_tokens=4)
         draft = load_draft(SpecSection(**kw), model, jnp.float32, progress=False)
         rates, lens = run_engine(engine_for(model, kw, draft=draft), prompts, max_new)
         acc = [sum(1 for n in lens if n - 1 >= d) / max(len(lens), 1) for d in (1, 2, 3)]
@@ -116,7 +143,8 @@ def run_round(args) -> int:
     def train_cli(*argv) -> int:  # `python -m jaxspec.train`, in its own process (and memory)
         return subprocess.run([sys.executable, "-m", "jaxspec.train", *argv]).returncode
 
-    head = Path(args.head)
+    campaign = CAMPAIGNS[args.drafter]
+    head = Path(args.head) if args.head else campaign.head
     state = _state(head)
     rnum = len(state["rounds"]) + 1
     work = Path(args.work) / f"round{rnum}"
@@ -128,7 +156,7 @@ def run_round(args) -> int:
     # 1. Data (each cache resumes shard by shard).
     if not _done(work / "data.done"):
         log(f"data: conversations {first}.. ({args.raw} raw, {args.regen} regenerated)")
-        _mark(work / "data.done", build_round_data(work, first, args.raw, args.regen, args.heldout, model))
+        _mark(work / "data.done", build_round_data(work, first, args.raw, args.regen, args.heldout, model, campaign))
     data = json.loads((work / "data.done").read_text())
     log(f"data: {data}")
 
@@ -143,8 +171,8 @@ def run_round(args) -> int:
     steps = max(1, int(args.epochs * n_ex) // args.batch)
     run = work / "run"
     if not _done(work / "train.done"):
-        argv = ["--config", "configs/train/eagle3_smollm2.toml", "--target", "default", "--data", ",".join(dirs),
-                "--out", str(run), "--init", str(init), "--eval-data", str(work.parent / "heldout"),
+        argv = ["--config", campaign.config, "--target", "default", "--data", ",".join(dirs),
+                "--out", str(run), "--init", str(init), "--eval-data", str(work.parent / campaign.heldout),
                 "--eval-batches", "8", "--steps", str(steps), "--set", f"lr={args.lr}",
                 "--set", f"batch_size={args.batch}", "--set", f"ttt_length={args.ttt}",
                 "--set", f"eval_every={max(steps // 4, 1)}", "--set", "warmup_ratio=0.03"]
@@ -163,7 +191,8 @@ def run_round(args) -> int:
 
     # 3. Evaluate side by side.
     if not _done(work / "eval.done"):
-        _mark(work / "eval.done", evaluate(model, {"shipped": head, "candidate": cand}, args.eval_prompts))
+        _mark(work / "eval.done", evaluate(model, {"shipped": head, "candidate": cand}, args.eval_prompts,
+                                           algorithm=campaign.algorithm))
     ev = json.loads((work / "eval.done").read_text())
     log(f"eval: {ev}")
 
@@ -177,6 +206,8 @@ def run_round(args) -> int:
              "tokens_seen": init_tokens + round_tokens, "heldout_last": heldout[-1] if heldout else None,
              "mtbench": ev, "shipped": ev["candidate"]["tau"] > ev["shipped"]["tau"],
              "command": "python -m jaxspec.train campaign " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+    if args.drafter != "eagle3":
+        entry["drafter"] = args.drafter
     if entry["shipped"] and not args.dry_run:
         for f in cand.iterdir():
             if f.is_file():
@@ -232,7 +263,7 @@ def plot_curve(head: Path, out: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("training tokens seen by the head")
     ax.set_ylabel("MT-Bench τ (chain of 3, greedy)")
-    ax.set_title("EAGLE-3 head for SmolLM2-135M (CPU campaign)")
+    ax.set_title(f"{head.name} (CPU campaign)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -242,11 +273,15 @@ def plot_curve(head: Path, out: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "plot":
-        out = Path(argv[1] if len(argv) > 1 else "docs/img/eagle3_tau_vs_tokens.png")
-        print(plot_curve(HEAD, out))
+        drafter = argv[2] if len(argv) > 2 else "eagle3"
+        out = Path(argv[1] if len(argv) > 1 else f"docs/img/{drafter}_tau_vs_tokens.png")
+        print(plot_curve(CAMPAIGNS[drafter].head, out))
         return 0
     p = argparse.ArgumentParser(prog="python -m jaxspec.train campaign", description=__doc__.split("\n\n")[0])
-    p.add_argument("--head", default=str(HEAD), help="the shipped head directory (read, and written on ship)")
+    p.add_argument("--drafter", choices=sorted(CAMPAIGNS), default="eagle3",
+                   help="the head the round trains: its directory, recipe and captured layers")
+    p.add_argument("--head", default="", help="the shipped head directory (read, and written on ship); "
+                   "default: the drafter's under checkpoints/")
     p.add_argument("--work", default="cache/campaign", help="caches and runs (not committed)")
     p.add_argument("--raw", type=int, default=2000, help="raw ShareGPT conversations (all turns)")
     p.add_argument("--regen", type=int, default=256, help="first turns regenerated by the target")
