@@ -82,8 +82,8 @@ def test_capabilities_of_every_builtin():
         assert info is A.registration(name).info and A.registration(name).builtin
         assert tuple(getattr(info, c) for c in CAPS) == caps, name
     assert A.algorithm_info("nextn") is A.algorithm_info("eagle")
-    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "frozen_kv_mtp", "medusa",
-                                     "mlp_speculator", "dflash", "dspark")
+    assert A.implemented_names() == ("none", "ngram", "standalone", "eagle", "eagle3", "medusa", "mlp_speculator",
+                                     "frozen_kv_mtp", "dflash", "dspark")
 
 
 def test_auto_verify_is_the_coupled_rule_for_every_drafter():
@@ -222,7 +222,7 @@ def test_validate_errors(kw, message):
 def test_unimplemented_algorithm_is_refused_by_name(plugin):
     plugin("notyet", AlgorithmInfo(implemented=False))
     with pytest.raises(SpecConfigError, match=r"spec.algorithm='notyet' is not implemented yet; implemented: none, "
-                                              r"ngram, standalone, eagle, eagle3, frozen_kv_mtp, medusa, mlp_speculator, dflash, dspark"):
+                                              r"ngram, standalone, eagle, eagle3, medusa, mlp_speculator, frozen_kv_mtp, dflash, dspark"):
         A.validate_spec_config(spec(algorithm="notyet"))
 
 
@@ -288,7 +288,7 @@ def test_each_builtin_declares_its_heads_shipped_head_and_loader():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(algorithm="mlp_speculator", draft_model="/heads/mlp", tree_choices="[[0]]"),
-     r"spec.tree_choices \(--tree-choices\) is read by standalone, eagle, eagle3, frozen_kv_mtp and medusa only; "
+     r"spec.tree_choices \(--tree-choices\) is read by standalone, eagle, eagle3, medusa and frozen_kv_mtp only; "
      r"--spec mlp_speculator would ignore it"),
     (dict(algorithm="dflash", sps_table="flat"), r"spec.sps_table \(--sps-table\) is read by dspark only"),
     (dict(algorithm="eagle3", draft_layers=2), r"spec.draft_layers \(--draft-layers\) is read by standalone only"),

@@ -15,7 +15,7 @@ from jaxspec.speculative.algorithm import (  # noqa: F401  (the lookups, re-expo
     SpecConfigError, algorithm_for_head, algorithm_info, builtin_names, canonical_name, registration, registrations,
     shipped_head, valid_names, validate_spec_config,
 )
-from jaxspec.speculative.drafters import plain, ngram, standalone, eagle, frozen_kv, heads, block  # noqa: F401  (registers)
+from jaxspec.speculative.drafters import plain, ngram, standalone, eagle, heads, frozen_kv, block  # noqa: F401  (registers)
 from jaxspec.speculative.protocol import Drafter, check_drafter
 
 if TYPE_CHECKING:

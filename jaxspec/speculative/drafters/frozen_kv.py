@@ -22,20 +22,22 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxspec.cache.attention import gather_pages
-from jaxspec.models.heads.attn_head import draft_to_target, prepare_head_params
+from jaxspec.models.heads.attn_head import draft_to_target
 from jaxspec.models.heads.config import HeadConfig
 from jaxspec.models.heads.frozen_kv import frozen_kv_step, window_mask
 from jaxspec.speculative.algorithm import AlgorithmInfo
-from jaxspec.speculative.drafters.features import FeatureState, chain_proposal, choose_draft, next_pending, topk_children
+from jaxspec.speculative.drafters.features import FeatureState, chain_proposal, choose_draft, topk_children
+from jaxspec.speculative.drafters.heads import _PendingOnly
 from jaxspec.speculative.drafters.load import register_head
 from jaxspec.speculative.drafters.sampled_tree import SampledTrees, TreeDraws, greedy_or_sampled, parse_choices
-from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
-from jaxspec.speculative.types import Committed, FeatureRequest, Proposal
+from jaxspec.speculative.types import Proposal
 
 
 @dataclasses.dataclass(frozen=True)
-class FrozenKVDrafter(SampledTrees, DrafterBase):
+class FrozenKVDrafter(SampledTrees, _PendingOnly):
+    """State = the seed (the pending final-norm feature), as the Medusa / MLP-speculator drafters'."""
+
     head: HeadConfig
     num_steps: int
     topk: int
@@ -45,24 +47,11 @@ class FrozenKVDrafter(SampledTrees, DrafterBase):
     tree_sampling: str = "sampled"
     choices: tuple[tuple[int, ...], ...] = ()
 
-    target_features = FeatureRequest(final_norm=True)
-    shares_target = ("embed",)
+    shares_target = ("embed",)  # its own LM head
 
     @property
     def target_kv_layers(self) -> tuple[int, ...]:
         return self.head.target_kv_layers
-
-    def prepare_params(self, loaded, *, native: bool, unstack) -> dict:
-        return prepare_head_params(loaded, self.head, native=native)
-
-    def init_state(self, draft_cache, batch: int) -> FeatureState:
-        return FeatureState(cache=None, pending=jnp.zeros((batch, self.head.target_hidden_size), jnp.float32))
-
-    def prefill(self, params, state, chunk: Committed, page_table):
-        return FeatureState(cache=None, pending=next_pending(state.pending, chunk))
-
-    def observe(self, params, state, committed: Committed, page_table):
-        return FeatureState(cache=None, pending=next_pending(state.pending, committed))
 
     # ---- drafting ----------------------------------------------------------------------------
 
