@@ -276,8 +276,10 @@ def test_each_builtin_declares_its_heads_shipped_head_and_loader():
     assert heads == {"eagle": ("eagle", "mtp_deepseek", "mtp_mimo"), "eagle3": ("eagle3",), "medusa": ("medusa",),
                      "frozen_kv_mtp": ("frozen_kv",),
                      "mlp_speculator": ("mlp_speculator",), "dflash": ("dflash",), "dspark": ("dspark",)}
-    assert {r.name for r in A.registrations() if r.shipped_head} == {"eagle3", "medusa", "dflash", "dspark"}
-    assert all(A.shipped_head(n).joinpath("config.json").is_file() for n in ("eagle3", "medusa", "dflash", "dspark"))
+    assert {r.name for r in A.registrations() if r.shipped_head} == {"eagle3", "medusa", "frozen_kv_mtp",
+                                                                         "dflash", "dspark"}
+    assert all(A.shipped_head(n).joinpath("config.json").is_file() for n in ("eagle3", "medusa", "frozen_kv_mtp", "dflash",
+                                                                                      "dspark"))
     with pytest.raises(FileNotFoundError, match="no head ships for --spec mlp_speculator; shipped: eagle3, medusa"):
         A.shipped_head("mlp_speculator")
     assert A.algorithm_for_head("mtp_mimo") == "eagle" and A.algorithm_for_head("nope") is None

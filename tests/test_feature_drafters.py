@@ -317,7 +317,7 @@ def test_draft_model_default_picks_the_shipped_head(world, tmp_path, monkeypatch
     spec = spec_for("eagle3", "default", 1, 3, 4)
     with pytest.raises(ValueError, match=r"shipped eagle3 head is not at .*eagle3-smollm2-135m"):
         load_draft(spec, world.model, jnp.float32, progress=False)
-    with pytest.raises(ValueError, match="no head ships for --spec mlp_speculator; shipped: eagle3, medusa, dflash, dspark"):
+    with pytest.raises(ValueError, match="no head ships for --spec mlp_speculator; shipped: eagle3, medusa, frozen_kv_mtp, dflash, dspark"):
         load_draft(spec_for("mlp_speculator", "default", 1, 3, 4), world.model, jnp.float32, progress=False)
     # Positive control: a head in the shipped place loads, read as SpecForge writes layer ids.
     write_eagle3_head(tmp_path / registration("eagle3").shipped_head, world.hf, layer_ids=[1, 2, 2], convention="output")

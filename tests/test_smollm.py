@@ -6,6 +6,8 @@ and speculative greedy decoding (n-gram, the truncated-target drafter, random EA
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from jaxspec.config import EngineSection, SpecSection
 from jaxspec.engine import Engine, Request
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.models.llama import forward, prepare_params
+from jaxspec.speculative.algorithm import shipped_head
 from jaxspec.speculative.drafters.standalone import truncate_layers
 from tests.reference import assert_greedy_equal, hf_greedy
 
@@ -76,8 +79,11 @@ def test_greedy_matches_hf_six_prompts(smollm, smollm_hf, prompts, hf_refs):
         dict(algorithm="eagle3", topk=1, num_steps=4, num_draft_tokens=5),
         dict(algorithm="eagle3", topk=3, num_steps=3, num_draft_tokens=8),
         dict(algorithm="eagle", topk=1, num_steps=3, num_draft_tokens=4),
+        # The shipped FROZEN_KV_MTP head (trained: real acceptance) reading the target's own K/V of
+        # layers 28 and 29, promoted from --spec nextn by its config; EAGLE-2 tree.
+        dict(algorithm="nextn", draft_model="default", topk=2, num_steps=3, num_draft_tokens=6),
     ],
-    ids=["ngram-chain", "truncated-tree", "eagle3-chain", "eagle3-tree", "eagle-chain"],
+    ids=["ngram-chain", "truncated-tree", "eagle3-chain", "eagle3-tree", "eagle-chain", "frozen-kv-tree"],
 )
 def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec_kw):
     from jaxspec.models.heads.family import head_config, init_head_params
@@ -89,11 +95,21 @@ def test_speculative_greedy_matches_hf(smollm, smollm_hf, prompts, hf_refs, spec
         hcfg = head_config(spec_kw["algorithm"], smollm.config, draft_vocab_size=8192)
         assert hcfg.kind != "eagle3" or hcfg.feature_layers == (2, 15, 27)
         draft = init_head_params(hcfg, seed=1), hcfg
+    elif spec_kw["algorithm"] == "nextn":
+        from jaxspec.speculative.drafters import validate_spec_config
+        from jaxspec.speculative.drafters.load import load_draft
+
+        spec_kw = dataclasses.asdict(validate_spec_config(SpecSection(**{**spec_kw, "draft_model": str(
+            shipped_head("frozen_kv_mtp"))})))
+        assert spec_kw["algorithm"] == "frozen_kv_mtp"
+        draft = load_draft(SpecSection(**spec_kw), smollm, jnp.float32, progress=False)
     engine = Engine(smollm.params, smollm.config, ENGINE, progress=False, spec=SpecSection(**spec_kw), draft=draft)
     results = engine.generate([Request(p, SamplingParams(max_tokens=NEW, logprobs=5)) for p in prompts[:3]])
     for p, res, ref in zip(prompts, results, hf_refs):
         assert_greedy_equal(smollm_hf, p, res.output_ids, ref)
     assert engine.runner.allocator.num_used == 0
+    if spec_kw["algorithm"] == "frozen_kv_mtp":  # a trained head: the accept paths are exercised
+        assert max(max(r.accept_lengths) for r in results) > 1
     # The loop's log-probabilities on the real vocabulary (read from the verify logits): HF's
     # log_softmax over prompt + output, and its 5 likeliest as the top entries.
     p, res = prompts[1], results[1]

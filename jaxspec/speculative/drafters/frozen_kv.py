@@ -153,4 +153,4 @@ def _make(plan, spec, head, sample) -> FrozenKVDrafter:
 
 register_head("frozen_kv_mtp", AlgorithmInfo(needs_draft_model=True, supports_tree=True, description=(
     "FROZEN_KV_MTP: draft layers over the target's own K/V (Gemma 4 assistant layout); no draft KV")), _make,
-    head_kinds=("frozen_kv",), reads=("tree_choices", "tree_sampling"))
+    head_kinds=("frozen_kv",), shipped_head="frozen-kv-smollm2-135m", reads=("tree_choices", "tree_sampling"))
