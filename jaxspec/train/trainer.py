@@ -119,8 +119,8 @@ class TrainConfig:
 
 
 # What must not change between a run and its resume (the rest, e.g. intervals or total_steps, may).
-_FIXED = ("drafter", "draft_vocab_size", "feature_layers", "target_kv_layers", "num_medusa_heads", "medusa_head", "batch_size",
-          "max_len", "seed", "length_group", "eagle3_head_init", "block_layers", "block_size", "mask_token_id",
+_FIXED = ("drafter", "draft_vocab_size", "feature_layers", "target_kv_layers", "num_medusa_heads", "medusa_head",
+          "batch_size", "max_len", "seed", "length_group", "eagle3_head_init", "block_layers", "block_size", "mask_token_id",
           "markov_rank")
 
 
