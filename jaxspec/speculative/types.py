@@ -8,7 +8,11 @@ used: the tree convention in `jaxspec.speculative.tree`, the bonus-token convent
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, NamedTuple
+
+import jax
 
 from jaxtyping import Array, Bool, Float, Int
 
@@ -24,12 +28,15 @@ class Proposal(NamedTuple):
     state: Any  # the drafter's new state
 
 
-class TargetKV(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["layers"])
+@dataclasses.dataclass(frozen=True)
+class TargetKV:
     """The target cache's layers a drafter declared (`target_kv_layers`), read-only in `propose`.
 
     Per declared layer its page pool [P, page_size, kvh, hd] (RoPE applied), a slice of the loop's
     cache carry: no copy is made, and writing is impossible (propose returns no cache). Slots below
-    hist_len - 1 hold the committed tokens' K/V; the root's is written by the verify forward."""
+    hist_len - 1 hold the committed tokens' K/V; the root's is written by the verify forward. The
+    layer ids are static (pytree metadata), so a jitted caller may pass the view as an argument."""
     layers: tuple[int, ...]
     k: tuple[Float[Array, "P S KVH HD"], ...]
     v: tuple[Float[Array, "P S KVH HD"], ...]
