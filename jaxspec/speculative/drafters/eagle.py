@@ -32,7 +32,8 @@ from jaxspec.cache.attention import attention_with_block_ref
 from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, prepare_head_params, project_features
 from jaxspec.models.heads.config import HeadConfig
 from jaxspec.speculative.drafters.features import (
-    FeatureState, chain_proposal, choose_draft, next_pending, pair_inputs, topk_children, write_pairs_kv,
+    FeatureState, chain_proposal, choose_draft, expand_frontier, next_pending, pair_inputs, topk_children,
+    write_pairs_kv,
 )
 from jaxspec.speculative.algorithm import AlgorithmInfo
 from jaxspec.speculative.drafters.load import register_head
@@ -173,10 +174,9 @@ class EagleDrafter(SampledTrees, DrafterBase):
             node_h = jnp.concatenate([node_h, out.h], axis=1)
             prev_nodes = u0 + jnp.arange(k, dtype=jnp.int32)[None, :].repeat(b, 0)
             # 3. Their children, scored by cumulative log-prob.
-            cs, ct = topk_children(out.logits, k, d2t)  # [B, K, K]
-            dead = fed_tok[:, :, None] < 0
-            step_tokens.append(jnp.where(dead, -1, ct))
-            step_scores.append(jnp.where(dead, -jnp.inf, fed_sc[:, :, None] + cs))
+            ct, cs = expand_frontier(out.logits, fed_tok, fed_sc, k, d2t)  # [B, K, K]
+            step_tokens.append(ct)
+            step_scores.append(cs)
         tokens, parents, _ = organize_draft_tree(
             root, jnp.stack(step_tokens, 1), jnp.stack(step_scores, 1), jnp.stack(step_frontier, 1),
             self.num_draft_tokens,

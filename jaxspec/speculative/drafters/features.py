@@ -134,6 +134,20 @@ def topk_children(
     return scores, (idx if d2t is None else d2t[idx])
 
 
+def expand_frontier(
+    logits: Float[Array, "B K Vd"],
+    fed_tok: Int[Array, "B K"],
+    fed_sc: Float[Array, "B K"],
+    k: int,
+    d2t: Int[Array, "Vd"] | None,
+) -> tuple[Int[Array, "B K K"], Float[Array, "B K K"]]:
+    """EAGLE-2 expansion of the fed frontier: each node's top-k children (target ids) scored by
+    cumulative log-prob; a padding node (token < 0) has padding children (-1, -inf)."""
+    cs, ct = topk_children(logits, k, d2t)
+    dead = fed_tok[:, :, None] < 0
+    return jnp.where(dead, -1, ct), jnp.where(dead, -jnp.inf, fed_sc[:, :, None] + cs)
+
+
 def chain_proposal(root, drafts: list, qs: list, sampled: bool, state) -> Proposal:
     """A chain Proposal from the root [B] and per-depth drafts [B] with their q [B, V] (or None)."""
     probs = None

@@ -26,7 +26,9 @@ from jaxspec.models.heads.attn_head import draft_to_target
 from jaxspec.models.heads.config import HeadConfig
 from jaxspec.models.heads.frozen_kv import frozen_kv_step, window_mask
 from jaxspec.speculative.algorithm import AlgorithmInfo
-from jaxspec.speculative.drafters.features import FeatureState, chain_proposal, choose_draft, topk_children
+from jaxspec.speculative.drafters.features import (
+    FeatureState, chain_proposal, choose_draft, expand_frontier, topk_children,
+)
 from jaxspec.speculative.drafters.heads import _PendingOnly
 from jaxspec.speculative.drafters.load import register_head
 from jaxspec.speculative.drafters.sampled_tree import SampledTrees, TreeDraws, greedy_or_sampled, parse_choices
@@ -119,10 +121,9 @@ class FrozenKVDrafter(SampledTrees, _PendingOnly):
             h_in = jnp.take_along_axis(front_h, (front // k)[:, :, None], axis=1)
             front_h, out = step(jnp.maximum(fed_tok, 0), h_in)
             # 3. Their children, scored by cumulative log-prob.
-            cs, ct = topk_children(out, k, d2t)
-            dead = fed_tok[:, :, None] < 0
-            step_tokens.append(jnp.where(dead, -1, ct))
-            step_scores.append(jnp.where(dead, -jnp.inf, fed_sc[:, :, None] + cs))
+            ct, cs = expand_frontier(out, fed_tok, fed_sc, k, d2t)
+            step_tokens.append(ct)
+            step_scores.append(cs)
         tokens, parents, _ = organize_draft_tree(
             root, jnp.stack(step_tokens, 1), jnp.stack(step_scores, 1), jnp.stack(step_frontier, 1),
             self.num_draft_tokens)

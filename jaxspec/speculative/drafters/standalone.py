@@ -32,7 +32,7 @@ from jaxspec.models.llama import forward, prepare_params
 from jaxspec.speculative.algorithm import AlgorithmInfo, SpecConfigError, register
 from jaxspec.speculative.protocol import DrafterBase
 from jaxspec.speculative.types import Committed, Proposal
-from jaxspec.speculative.drafters.features import choose_draft
+from jaxspec.speculative.drafters.features import choose_draft, expand_frontier
 from jaxspec.speculative.drafters.sampled_tree import SampledTrees, TreeDraws, greedy_or_sampled, parse_choices
 from jaxspec.speculative.tree import organize_draft_tree, root_step, select_frontier
 
@@ -182,12 +182,9 @@ class StandaloneDrafter(SampledTrees, DrafterBase):
                 logits_index=jnp.broadcast_to(jnp.arange((s - 1) * k, s * k, dtype=jnp.int32), (b, k)),
             )
             cache = out.cache
-            lp = jax.nn.log_softmax(out.logits, axis=-1)  # [B, K, V]
-            cs, ct = jax.lax.top_k(lp, k)  # [B, K(frontier), K(children)]
-            cum = fed_scores[-1][:, :, None] + cs
-            dead = fed_tokens[-1][:, :, None] < 0
-            step_tokens.append(jnp.where(dead, -1, ct.astype(jnp.int32)))
-            step_scores.append(jnp.where(dead, -jnp.inf, cum))
+            ct, cs = expand_frontier(out.logits, fed_tokens[-1], fed_scores[-1], k, None)  # [B, K, K]
+            step_tokens.append(ct)
+            step_scores.append(cs)
         tokens, parents, _ = organize_draft_tree(
             root, jnp.stack(step_tokens, 1), jnp.stack(step_scores, 1), jnp.stack(step_frontier, 1),
             self.num_draft_tokens,
