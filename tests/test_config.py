@@ -32,7 +32,7 @@ def test_spec_is_validated_at_load_after_the_flags(tmp_path):
         validate_config(load_config(f))
     cfg = validate_config(load_config(f, {"spec.draft_model": "/heads/mlp"}))
     assert (cfg.spec.algorithm, cfg.spec.draft_model) == ("mlp_speculator", "/heads/mlp")
-    with pytest.raises(SpecConfigError, match="spec.tree_choices .* read by .*medusa only"):
+    with pytest.raises(SpecConfigError, match=r"spec.tree_choices .* read by .*medusa.* only; --spec mlp_speculator would ignore it"):
         validate_config(load_config(f, {"spec.draft_model": "/heads/mlp", "spec.tree_choices": "[[0]]"}))
 
 
