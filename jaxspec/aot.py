@@ -125,9 +125,12 @@ def _compile(build, fresh: bool = False):
     if not fresh:
         return lowered.compile()
     # An XLA:CPU executable that XLA's persistent cache loaded serializes without its object
-    # code (running one stored from it fails with "Function ... not found"): what is stored
-    # here is compiled afresh, once per key.
+    # code (running one stored from it fails with "Function broadcast_compare_fusion not found"),
+    # so what is stored is compiled afresh. Turning that cache off is not enough: if this
+    # process already ran the program (loaded from that cache), JAX's in-memory compile cache
+    # hands the same executable back. A compile option at its default value makes both keys new.
     from jax._src import config as jax_config
 
+    options = {"xla_dump_to": ""} if jax.default_backend() == "cpu" else None
     with jax_config.enable_compilation_cache(False):
-        return lowered.compile()
+        return lowered.compile(compiler_options=options)

@@ -86,3 +86,45 @@ def test_the_store_is_off_unless_enabled_and_under_the_suite(monkeypatch, tmp_pa
     assert aot.store_dir() is None
     monkeypatch.delenv("JAXSPEC_EXECUTABLE_CACHE")
     assert aot.store_dir() == tmp_path / "executables"
+
+
+_STEP = """
+import sys, jax, jax.numpy as jnp
+from jaxspec import aot
+jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+aot.enable()
+
+def f(x, y):  # fusions (broadcast, compare, select) that XLA:CPU resolves by name at run time
+    return jnp.where(x[:, None] > y[None, :], jnp.exp(x[:, None] * y[None, :]), 0.0).sum(1)
+
+x, y = jnp.arange(64.0), jnp.arange(64.0) / 3
+if sys.argv[1] != "load":
+    print(jax.jit(f)(x, y)[1])  # "warm" fills XLA's persistent cache; "store" runs the program loaded from it
+if sys.argv[1] != "warm":
+    print(aot.compile_cached(("f",), lambda: jax.jit(f).trace(x, y))(x, y)[1])
+"""
+
+
+def test_an_executable_stored_after_xlas_cache_loaded_it_runs_in_the_next_process(tmp_path):
+    """The server's 'Function broadcast_compare_fusion not found' (2026-12-03): a process that ran a
+    program from XLA's persistent cache and then stored it wrote an executable without its object
+    code, and the next process that loaded it failed mid-request. Positive control: the store file
+    exists, so the third process really loaded it rather than compiling."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "step.py"
+    script.write_text(_STEP)
+    env = {**os.environ, "JAXSPEC_EXECUTABLE_CACHE": "on"}
+    outs = []
+    for step in ("warm", "store", "load"):
+        r = subprocess.run([sys.executable, str(script), step, str(tmp_path / "xla")], capture_output=True,
+                           text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert r.returncode == 0, f"{step}: {r.stderr[-2000:]}"
+        outs.append(r.stdout.split())
+        if step == "store":
+            assert len(list((tmp_path / "xla" / "executables").glob("*.exe"))) == 1
+    assert outs[2] == outs[1][1:] == outs[1][:1] == outs[0]
