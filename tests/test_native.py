@@ -153,6 +153,10 @@ def test_engine_with_and_without_native_kernels_matches_hf(tiny_dirs):
                              layer_loop=loop)
         engine = Engine(model.params, model.config, ecfg, progress=False)
         assert isinstance(engine.runner.params["head"], PackedWeight) is packed
+        layers = engine.runner.params["layers"]
+        first = layers[0] if isinstance(layers, list) else layers
+        # Packed params run Q/K/V and gate/up as one kernel call each (what this test holds to HF).
+        assert ({"wqkv", "w_gate_up"} <= set(first)) is packed and ("wq" in first) is not packed
         for prompt, res in zip(prompts, engine.generate([Request(p, SamplingParams(max_tokens=16)) for p in prompts])):
             assert_greedy_equal(hf, prompt, res.output_ids, hf_greedy(hf, prompt, 16))
 
