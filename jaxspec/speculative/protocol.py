@@ -50,8 +50,9 @@ Calls (pure, jitted inside the engine's programs, except prepare_params):
       Draft the tree for loop state `s` (history, hist_len, page table, done,
       sampling, corpus; `s.cache`: the declared target KV layers, or None). A
       drafter that samples under the rejection rule draws its noise with
-      `sampling.draft_noise(seed, s.hist_len, depth, size)`: the step's own draft stream, independent of every earlier step's and of the
-      verify's coins (losslessness needs it), and returns q (declaring
+      `sampling.draft_noise(seed, s.hist_len, depth, size)`: the step's own draft
+      stream, independent of every earlier step's and of the verify's coins
+      (losslessness needs it), and returns q (declaring
       provides_draft_probs). Under the coupled rule (plan.sampled_rule ==
       "coupled") it returns no q: any draft is exact there, and racing its
       distribution with the target's noise at the draft's position
