@@ -81,16 +81,18 @@ def test_adaptive_turns_speculation_off_when_it_loses_and_on_when_it_wins():
 
 def test_adaptive_hysteresis_and_probing():
     cost = {(k, 4): 1.0 for k in (0, 2)}
-    a = AdaptiveSteps((0, 2), cost, hysteresis=0.5, probe_every=4)
+    a = AdaptiveSteps((0, 2), cost, hysteresis=0.5, probe_every=4, max_probe_every=16)
     a.observe(2, 4, [1, 1, 1, 1], 1.0)  # rate 0: k = 0 wins
     assert a.choose(4) == 0
     a.observe(2, 4, [2, 2, 1, 1], 1.0)  # rate recovers a little: +25% score, under the 50% hysteresis
     assert a.current[4] == 0 and a.choose(4) == 0
-    picks = [a.choose(4) for _ in range(8)]
-    assert picks.count(2) == 2  # every 4th call at k = 0 probes the smallest k > 0
+    picks = [a.choose(4) for _ in range(60)]  # calls 3..62
+    # The first probe comes on the 4th call; while the choice holds, the gap doubles up to 16.
+    assert [n for n, k in enumerate(picks, start=3) if k == 2] == [4, 12, 28, 44, 60]
     for _ in range(10):
         a.observe(2, 4, [3, 3, 3, 3], 1.0)
-    assert a.choose(4) == 2
+    # A switch resets the gap: k = 0 is probed on the 4th call again.
+    assert [a.choose(4) for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 2]
 
 
 def test_adaptive_live_costs_replace_the_calibration():
