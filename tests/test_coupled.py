@@ -161,3 +161,30 @@ def test_self_drafting_accepts_every_draft(tiny):  # noqa: F811
     out = e.generate(requests(SAMPLINGS["T1"], range(4)))
     for r in out:
         assert r.accept_lengths[:-1] and min(r.accept_lengths[:-1]) == 4, r.accept_lengths
+
+
+def test_the_lazy_walk_over_a_full_vocabulary_equals_plain_sampling(chat_model_dir):
+    """The V = 8 target above decides every position by its candidates; a random target over the
+    full 49,152-token vocabulary leaves most positions open at the first tier (flat rows), so the
+    coupled walk races them one at a time (`verify.verify_coupled`). The output is still plain
+    sampling's, token for token: drafting with the target itself (every draft accepted, the walk
+    passing through open positions) and with n-gram drafts (mostly missed)."""
+    import jax.numpy as jnp
+
+    from jaxspec.models.loading import load_model
+    from jaxspec.speculative.sampling import SELECT_TIERS
+
+    model = load_model(str(chat_model_dir), dtype=jnp.float32, progress=False)
+    assert model.config.vocab_size > SELECT_TIERS[-1]
+    ecfg = EngineSection(max_batch_size=4, batch_buckets=(4,), max_context=64, length_buckets=(16, 32, 64),
+                         page_size=8)
+    prompt = [1, 20, 300, 4000, 5, 60, 700, 8000]
+    reqs = [Request(list(prompt), SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9), seed=s) for s in range(4)]
+    want = [r.output_ids for r in Engine(model.params, model.config, ecfg, progress=False).generate(reqs)]
+    for spec, draft, min_tau in [
+            (SpecSection(algorithm="standalone", num_draft_tokens=4, num_steps=3, verify="coupled"),
+             (model.params, model.config), 3.0),
+            (SpecSection(algorithm="ngram", num_draft_tokens=4, verify="coupled"), None, 1.0)]:
+        got, tau = run(Engine(model.params, model.config, ecfg, progress=False, spec=spec, draft=draft), reqs)
+        assert got == want, spec.algorithm
+        assert tau >= min_tau, (spec.algorithm, tau)

@@ -1,9 +1,9 @@
 """The sort-free top-k / top-p filter equals its sorting reference, and samples exactly.
 
-`top_k_top_p_mask` pre-selects the largest values in tiers and falls back to the full sort
-(`top_k_top_p_mask_ref`, the specification) only when a row's kept set does not fit; these tests
-hold the two equal on random rows (ties, every tier, the fallback) and chi-square the sampler at
-batch 1 and 8 against numpy.
+`top_k_top_p_mask` pre-selects the largest values in tiers and falls back to a bisection over the
+float order only when a row's kept set does not fit; these tests hold it equal to the full sort
+(`top_k_top_p_mask_ref`, the specification) on random rows (ties, every tier, the bisection) and
+chi-square the sampler at batch 1 and 8 against numpy.
 
 `race_filtered` (the sampler of plain decoding, the coupled verify and coupled drafts) races only
 the pre-selected candidates, with their noise hashed entry by entry (`exp_noise_at`): held equal,
@@ -34,14 +34,19 @@ def _rows(rng, b, n, v, ties: bool):
     return x
 
 
+@pytest.mark.parametrize("tiers", [(16, 64), ()], ids=["tiers", "bisection-only"])
 @pytest.mark.parametrize("ties", [False, True])
-def test_fast_filter_equals_the_sorting_reference(ties):
+def test_fast_filter_equals_the_sorting_reference(ties, tiers):
+    """Every row through the tiers and the bisection past them; and every row through the
+    bisection alone (`_cutoff_bisect`), with masked (-inf) entries too."""
     rng = np.random.default_rng(7 + ties)
-    fast = jax.jit(lambda x, k, p: top_k_top_p_mask(x, k, p, tiers=(16, 64)))
+    fast = jax.jit(lambda x, k, p: top_k_top_p_mask(x, k, p, tiers=tiers))
     ref = jax.jit(top_k_top_p_mask_ref)
     tiers_used = set()
     for trial in range(40):
         x = _rows(rng, 6, 3, V, ties)
+        if not tiers:
+            x[rng.random(x.shape) < 0.1] = -np.inf
         k = rng.choice([0, 1, 5, 16, 17, 64, 65, 200, V, V + 5], size=6).astype(np.int32)
         p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.0, -1.0], size=6).astype(np.float32)
         got, want = np.asarray(fast(x, k, p)), np.asarray(ref(x, k, p))
@@ -49,6 +54,19 @@ def test_fast_filter_equals_the_sorting_reference(ties):
         kept = (want > -np.inf).sum(-1).max()
         tiers_used.add(0 if kept <= 16 else 1 if kept <= 64 else 2)
     assert tiers_used == {0, 1, 2}, f"the rows did not reach every tier and the fallback: {tiers_used}"
+
+
+def test_the_bisection_finds_the_cutoff_of_flat_rows_without_a_sort():
+    """Rows of 49,152 as flat as a verify position after a rejected draft (a nucleus of thousands):
+    the bisection's kept set is the sort's."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((2, 4, 49_152)) * 1.5).astype(np.float32)
+    k, p = np.array([0, 3000], np.int32), np.array([0.9, 0.95], np.float32)
+    got = np.asarray(jax.jit(lambda x: top_k_top_p_mask(x, k, p, tiers=()))(x))
+    want = np.asarray(top_k_top_p_mask_ref(jnp.asarray(x), k, p))
+    kept = (want > -np.inf).sum(-1)
+    assert kept.min() > 1024, kept  # past every tier
+    np.testing.assert_array_equal(got, want)
 
 
 def test_fast_filter_keeps_the_tied_tokens_at_the_cutoff():
@@ -170,3 +188,65 @@ def test_race_filtered_races_only_the_candidates_where_they_decide(monkeypatch):
         np.testing.assert_array_equal(got, logits.argmax(-1))  # the poisoned race is an argmax
         differs += int((got != _dense_race(logits, *flat, keys)).any())
     assert differs > 10
+
+
+def test_the_lazy_coupled_walk_equals_racing_every_node(monkeypatch):
+    """`verify_coupled` races only the positions its walk reads; it equals the specification, the
+    greedy walk over `coupled_predict` (every node raced in full), on chains and a tree whose
+    drafts follow the target's races part of the way, over flat and peaked rows, greedy, top-k,
+    top-p and temperature-only rows. The open nodes are both on the walk (raced in full) and off
+    it (never raced) in these trials."""
+    import types
+
+    from jaxspec.speculative.sampling import UNDECIDED, coupled_predict, race_first_tier
+    from jaxspec.speculative.verify import verify_coupled, verify_greedy
+
+    monkeypatch.setattr(sampling, "SELECT_TIERS", (16, 64))
+    rng = np.random.default_rng(5)
+    b, n = 4, 6
+    chain = (np.array([1, 2, 3, 4, 5, -1]), np.full(n, -1), np.arange(n))
+    tree = (np.array([1, 3, -1, 5, -1, -1]), np.array([-1, 2, -1, 4, -1, -1]), np.array([0, 1, 1, 2, 2, 3]))
+    sp = types.SimpleNamespace(temperature=jnp.array([0.0, 0.8, 1.0, 0.7]), top_k=jnp.array([0, 0, 0, 12], jnp.int32),
+                               top_p=jnp.array([1.0, 0.9, 1.0, 1.0]), seed=jnp.arange(b, dtype=jnp.uint32) + 3)
+    max_depth = n - 1
+
+    @jax.jit
+    def both(tokens, nt, ns, logits, depth, hist):
+        spec = verify_greedy(tokens, nt, ns, coupled_predict(logits, depth, sp, hist, max_depth), max_depth=max_depth)
+        return spec, verify_coupled(tokens, nt, ns, logits, depth, sp, hist, max_depth=max_depth)
+
+    predict = jax.jit(lambda logits, depth, hist: coupled_predict(logits, depth, sp, hist, max_depth))
+
+    @jax.jit
+    def first_tier(logits, depth, hist):
+        keys = jax.vmap(jax.vmap(race_key, in_axes=(None, 0)))(sp.seed, hist[:, None] + jnp.clip(depth, 0, max_depth))
+        return race_first_tier(logits, sp.temperature, sp.top_k, sp.top_p, keys)
+
+    on_walk = off_walk = 0
+    for trial in range(30):
+        nt, ns, depth = (jnp.asarray(np.broadcast_to(a, (b, n)), jnp.int32) for a in (chain if trial % 2 else tree))
+        scale = rng.choice([0.3, 1.0, 4.0], size=(b, n, 1))  # flat rows (open at tier 16) beside peaked ones
+        logits = jnp.asarray(rng.standard_normal((b, n, V)) * scale, jnp.float32)
+        hist = jnp.asarray(rng.integers(10, 50, b), jnp.int32)
+        pred = np.asarray(predict(logits, depth, hist))
+        # Drafts: each node's token is its parent's race winner (accepted) with probability 0.7.
+        parent = np.zeros((b, n), int)
+        nt0, ns0 = np.asarray(nt)[0], np.asarray(ns)[0]
+        for i in range(n):
+            c = nt0[i]
+            while c >= 0:
+                parent[:, c] = i
+                c = ns0[c]
+        tokens = np.where(rng.random((b, n)) < 0.7, np.take_along_axis(pred, parent, 1), rng.integers(0, V, (b, n)))
+        tokens[:, 0] = 1
+        spec, got = both(jnp.asarray(tokens, jnp.int32), nt, ns, logits, depth, hist)
+        for a, w in zip(got, spec):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(w), err_msg=f"trial {trial}")
+        first = np.asarray(first_tier(logits, depth, hist))
+        walked = np.zeros((b, n), bool)
+        acc, num = np.asarray(spec.accept_index), np.asarray(spec.num_accepted)
+        for r in range(b):
+            walked[r, acc[r, : num[r] + 1]] = True
+        on_walk += int((walked & (first == UNDECIDED)).sum())
+        off_walk += int((~walked & (first == UNDECIDED)).sum())
+    assert on_walk > 0 and off_walk > 0, (on_walk, off_walk)

@@ -67,13 +67,14 @@ SAMPLED = {"greedy": (0.0, 0, 1.0), "T 0.8": (0.8, 0, 1.0), "T 0.8, top-k 50": (
 def make_verify_fn(cfg, accept: tuple[float, int, float] | None = None):
     """verify(params, cache, tokens [B, w], page_table, seq_lens [B]) -> (cache, logits [B, w, V]).
 
-    `accept` = (temperature, top_k, top_p): return instead the token the target emits after each
-    position [B, w], as the loop's verify decides it (argmax for greedy; the coupled rule's race
-    for sampled rows), so a timing holds the whole verify step."""
+    `accept` = (temperature, top_k, top_p): return instead what the loop's verify decides (the
+    argmax of every position for greedy rows; the coupled rule's walk and bonus for sampled ones),
+    so a timing holds the whole verify step."""
     from jaxspec.engine.device_sampling import DeviceSampling
     from jaxspec.models.llama import forward
-    from jaxspec.speculative.sampling import argmax_last, coupled_predict
+    from jaxspec.speculative.sampling import argmax_last
     from jaxspec.speculative.tree import build_chain_tree
+    from jaxspec.speculative.verify import verify_coupled
 
     def verify(params, cache, tokens, page_table, seq_lens):
         tree = build_chain_tree(tokens, seq_lens)
@@ -88,8 +89,10 @@ def make_verify_fn(cfg, accept: tuple[float, int, float] | None = None):
         sp = dataclasses.replace(DeviceSampling.pack([None] * b, b), temperature=jnp.full((b,), t, jnp.float32),
                                  top_k=jnp.full((b,), k, jnp.int32), top_p=jnp.full((b,), p, jnp.float32),
                                  seed=jnp.arange(b, dtype=jnp.uint32))
-        depth = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-        return out.cache, coupled_predict(out.logits, depth, sp, seq_lens + 1, w - 1)
+        # The loop's coupled walk over the fed tokens (random: the walk stops early, as on a miss).
+        res = verify_coupled(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, out.logits, tree.depth,
+                             sp, seq_lens + 1, max_depth=w - 1)
+        return out.cache, res.bonus_token
 
     return jax.jit(verify, donate_argnums=(1,))
 

@@ -30,10 +30,10 @@ from jaxspec.speculative.commit import commit_accepted_kv
 from jaxspec.speculative.grammar import constrain, tree_parents
 from jaxspec.speculative.logprobs import TokenLogprobs, path_entries, record
 from jaxspec.speculative.penalties import penalize_tree
-from jaxspec.speculative.sampling import argmax_last, coupled_predict, make_verify_noise, target_probs_from_logits
+from jaxspec.speculative.sampling import argmax_last, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
 from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest, TargetKV
-from jaxspec.speculative.verify import emitted_tokens, verify_greedy, verify_rejection, verify_target_only
+from jaxspec.speculative.verify import emitted_tokens, verify_coupled, verify_greedy, verify_rejection, verify_target_only
 
 
 @jax.tree_util.register_dataclass
@@ -133,9 +133,8 @@ def _verify(plan: SpecPlan, tree, tokens, logits, draft_probs, s: SpecState):
 
     def sampled():
         if plan.sampled_rule == "coupled":  # the races alone: no distribution over V is built
-            return verify_greedy(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling,
-                                 coupled_predict(logits, tree.depth, sp, s.hist_len, plan.max_depth),
-                                 max_depth=plan.max_depth)
+            return verify_coupled(tokens, tree.retrieve_next_token, tree.retrieve_next_sibling, logits, tree.depth,
+                                  sp, s.hist_len, max_depth=plan.max_depth)
         probs = target_probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
         uniforms, bonus_noise = make_verify_noise(sp.seed, s.hist_len, tokens.shape[1], logits.shape[-1])
         if plan.sampled_rule == "target-only":

@@ -218,7 +218,8 @@ def coupled_predict(
 
 # Candidates the fast filter pre-selects per row, in tiers: 64 holds top-k 50 and most top-p
 # nuclei of chat text (measured: 2% of T 0.8 / top-p 0.9 rows exceed 64, 0.3% exceed 256, none
-# 1,024); a wider row sends the batch to the next tier, and only past the last to the sort.
+# 1,024; a verify position after a rejected draft is flatter: 9% exceed 1,024); a wider row
+# sends the batch to the next tier, and only past the last to the bisection (`_cutoff_bisect`).
 SELECT_TIERS = (64, 256, 1024)
 
 
@@ -275,14 +276,77 @@ def top_k_top_p_mask(
     order, so if it fits in the first kk values the cutoff read there is the reference's. That
     holds for every row whose top-k is <= kk, and for a top-p-only row whose first kk tokens
     already hold mass >= top_p. Otherwise the whole batch tries the next tier, and past the last
-    the reference (`cond`s: only the branch taken runs). `tiers` default: SELECT_TIERS, read when
+    the bisection, which finds the reference's cutoff without sorting (`cond`s: only the branch
+    taken runs). `tiers` default: SELECT_TIERS, read when
     traced (tests on tiny vocabularies set smaller tiers to exercise every branch).
     """
     tiers = tuple(t for t in (SELECT_TIERS if tiers is None else tiers) if t < scaled.shape[-1])
     if not tiers:
-        return top_k_top_p_mask_ref(scaled, top_k, top_p)
+        return jnp.where(scaled >= _cutoff_bisect(scaled, top_k, top_p), scaled, -jnp.inf)
     fast, fits = _cutoff_mask(scaled, top_k, top_p, tiers[0])
     return jax.lax.cond(fits, lambda: fast, lambda: top_k_top_p_mask(scaled, top_k, top_p, tiers[1:]))
+
+
+def _order_keys(x: Float[Array, "*S"]) -> jax.Array:
+    """uint32 keys in float32 order (the sign-magnitude trick; no NaN in logits)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _from_order_keys(u: jax.Array) -> jax.Array:
+    b = jnp.where((u >> 31) == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _bisect(u: jax.Array, lo: jax.Array, hi: jax.Array, holds) -> jax.Array:
+    """The smallest key t in (lo, hi] with holds(t), for a predicate false at lo, true at hi and
+    monotone between: 32 halvings cover any uint32 range, each one pass over the keys."""
+    def body(_, c):
+        lo, hi = c
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, body, (lo, hi))[1]
+
+
+def _cutoff_bisect(
+    scaled: Float[Array, "B N V"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+) -> Float[Array, "B N 1"]:
+    """The cutoff of `top_k_top_p_mask_ref` without its sort: bisection over the float order.
+
+    Rows past every tier are the flat ones (thousands of tokens in the nucleus: a verify position
+    after a rejected draft), and XLA:CPU sorts 8 rows of 49,152 in ~66 ms, more than three plain
+    decode steps; 32 passes over them cost ~6 ms. 1. The k-th largest value: the smallest key
+    with fewer than k keys above it. 2. Top-p over the top-k set: the smallest key whose strictly
+    greater mass is below top_p, which is the value of the reference's last kept rank (every rank
+    before it has mass before it < top_p, and the mass through it is >= top_p). Sums differ from
+    the reference's cumsum only in rounding, as the tiers' do.
+    """
+    vocab = scaled.shape[-1]
+    u = _order_keys(scaled)
+    lo = jnp.min(u, axis=-1, keepdims=True) - 1  # -inf's key is 0x007FFFFF: no wrap
+    hi = jnp.max(u, axis=-1, keepdims=True)
+    k_on = (top_k > 0) & (top_k < vocab)
+    k = jnp.where(k_on, top_k, vocab)[:, None, None]
+    # 1. Top-k (only when some row asks: a top-k within the tiers never reaches here).
+    kth = jax.lax.cond(jnp.any(k_on), lambda: _bisect(u, lo, hi, lambda t: jnp.sum(u > t, -1, keepdims=True) < k),
+                       lambda: lo + 1)
+    kth = jnp.where(k_on[:, None, None], kth, lo + 1)
+    # 2. Top-p on the top-k set, renormalised over exactly k ranks: the reference's softmax counts
+    #    only as many copies of a value tied at the k-th rank as the k ranks hold.
+    above = u > kth
+    c = _from_order_keys(kth)
+    m = jnp.max(scaled, axis=-1, keepdims=True)
+    e = jnp.where(above, jnp.exp(scaled - m), 0.0)
+    ties = (k - jnp.sum(above, axis=-1, keepdims=True)).astype(jnp.float32)
+    w = e / (jnp.sum(e, axis=-1, keepdims=True) + ties * jnp.exp(c - m))
+    p = top_p[:, None, None]
+    cut = _bisect(u, kth - 1, hi, lambda t: jnp.sum(jnp.where(u > t, w, 0.0), -1, keepdims=True) < p)
+    cut = jnp.where(p >= 1.0, kth, cut)
+    return jnp.where((~k_on & (top_p >= 1.0))[:, None, None], -jnp.inf, _from_order_keys(cut))
 
 
 def top_k_top_p_mask_ref(
@@ -378,7 +442,7 @@ def race_filtered(
     nothing fits too when its best candidate's score beats the kk-th value by more than any
     noise can lift a token (`_MAX_RACE_GAIN`): no token outside can then win. Otherwise the
     dense race over V under this tier's cutoffs if they are right (a temperature-only row
-    that did not fit), else the next tier, and past the last the dense race after the sort:
+    that did not fit), else the next tier, and past the last the dense race after the bisection:
     the same scores, so the same token, whichever path ran. On CPU the dense race costs ~1.7 ms for 8 rows of
     49,152 (noise, log, max), several times a greedy argmax; the fast path a `top_k` of 64.
     """
@@ -390,27 +454,18 @@ def race_filtered(
     ids_map = (lambda i: i) if token_ids is None else (lambda i: token_ids[i])  # noqa: E731
 
     def dense(masked=None):
-        if masked is None:  # the filter decides its own tiers, then the sort
+        if masked is None:  # the filter decides its own tiers, then the bisection
             masked = filtered_logits(scaled, top_k, top_p)
         noise = _dense_noise(keys, vocab, token_ids, noise_size)
         return argmax_last(jnp.where(masked > -jnp.inf, masked - jnp.log(noise), -jnp.inf)).astype(jnp.int32)
 
     def sparse(kk: int, rest: tuple[int, ...]):
         def run():
-            vals, idx = jax.lax.top_k(scaled, kk)  # [B, N, kk], descending
-            cutoff, fits, no_filter = _cutoff(scaled, vals, top_k, top_p)
-            noise = exp_noise_at(keys, ids_map(idx))
-            score = jnp.where(vals >= cutoff, vals - jnp.log(noise), -jnp.inf)
-            best = jnp.max(score, axis=-1)
-            # The kk-th value as a min, not vals[..., -1]: slicing top_k's output made XLA:CPU run
-            # the full sort behind it (100 ms for 8 rows of 49,152, measured) instead of its TopK.
-            kth = jnp.min(vals, axis=-1)
-            inside = jnp.where(no_filter[:, None], best > kth + _MAX_RACE_GAIN, fits & (kth < cutoff[..., 0]))
-            token = jnp.take_along_axis(idx, argmax_last(score)[..., None], axis=-1)[..., 0].astype(jnp.int32)
+            token, inside, fits, cutoff = _race_tier(scaled, top_k, top_p, keys, kk, ids_map)
             # 1. Every row decided by its candidates: their race. 2. The filter's cutoffs are right
             # here (`top_k_top_p_mask`'s own test) but some row is not decided (a temperature-only
             # row, a tie at the boundary): the dense race under those cutoffs; wider tiers would
-            # rarely decide such a row. 3. Else the next tier, and past the last the sort.
+            # rarely decide such a row. 3. Else the next tier, and past the last the bisection.
             case = jnp.where(jnp.all(inside | greedy[:, None]), 0, jnp.where(jnp.all(fits), 1, 2))
             nxt = (lambda: sparse(rest[0], rest[1:])()) if rest else dense
             return jax.lax.switch(case, [lambda: token, lambda: dense(jnp.where(scaled >= cutoff, scaled, -jnp.inf)),
@@ -426,6 +481,67 @@ def race_filtered(
     mixed = lambda: jnp.where(greedy[:, None], argmax(), sampled())  # noqa: E731
     case = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 1, 2))
     return jax.lax.switch(case, [argmax, mixed, sampled])
+
+
+def _race_tier(scaled: Float[Array, "B N V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"], keys: jax.Array,
+               kk: int, ids_map=lambda i: i):
+    """One tier of `race_filtered`'s fast path: (each row's race over its kk likeliest tokens [B, N],
+    whether those candidates decide the row [B, N], whether its cutoff lies inside them [B, N],
+    the cutoffs [B, N, 1])."""
+    vals, idx = jax.lax.top_k(scaled, kk)  # [B, N, kk], descending
+    cutoff, fits, no_filter = _cutoff(scaled, vals, top_k, top_p)
+    noise = exp_noise_at(keys, ids_map(idx))
+    score = jnp.where(vals >= cutoff, vals - jnp.log(noise), -jnp.inf)
+    best = jnp.max(score, axis=-1)
+    # The kk-th value as a min, not vals[..., -1]: slicing top_k's output made XLA:CPU run
+    # the full sort behind it (100 ms for 8 rows of 49,152, measured) instead of its TopK.
+    kth = jnp.min(vals, axis=-1)
+    inside = jnp.where(no_filter[:, None], best > kth + _MAX_RACE_GAIN, fits & (kth < cutoff[..., 0]))
+    token = jnp.take_along_axis(idx, argmax_last(score)[..., None], axis=-1)[..., 0].astype(jnp.int32)
+    return token, inside, fits, cutoff
+
+
+# A prediction `race_first_tier` leaves open: no token (drafts, padding included, are > this).
+UNDECIDED = -(2**31)
+
+
+def race_first_tier(
+    logits: Float[Array, "B N V"],
+    temperature: Float[Array, "B"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    keys: jax.Array,
+) -> Int[Array, "B N"]:
+    """`race_filtered`'s token where the first tier's candidates decide the row, else UNDECIDED.
+
+    A verify block's positions after a rejected draft are flat (a nucleus of thousands of tokens
+    where the history is wrong), and one such row sent the whole block of `race_filtered` to the
+    wider tiers and the dense race. Their tokens are rarely needed: the coupled walk reads a
+    position only while every draft before it was accepted. So the walk takes these, and decides
+    exactly the one open position it stops at (`verify.verify_coupled`). Needs
+    `sparse_noise_supported()`; greedy rows take the argmax."""
+    tiers = [t for t in SELECT_TIERS if t < logits.shape[-1]]
+    if not tiers:  # a vocabulary within the first tier: every row is decided by the full race
+        return race_filtered(logits, temperature, top_k, top_p, keys)
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature).astype(jnp.float32)[:, None, None]
+    token, inside, _, _ = _race_tier(scaled, top_k, top_p, keys, tiers[0])
+    sampled = jnp.where(inside, token, UNDECIDED)
+    return jax.lax.cond(jnp.any(greedy), lambda: jnp.where(greedy[:, None], argmax_last(logits), sampled),
+                        lambda: sampled).astype(jnp.int32)
+
+
+def race_past_first_tier(
+    logits: Float[Array, "B N V"],
+    temperature: Float[Array, "B"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    keys: jax.Array,
+) -> Int[Array, "B N"]:
+    """`race_filtered` for rows `race_first_tier` left UNDECIDED: the same token, from the second
+    tier on (the first is known not to decide them)."""
+    return race_filtered(logits, temperature, top_k, top_p, keys, tiers=SELECT_TIERS[1:])
 
 
 def _dense_noise(keys: jax.Array, vocab: int, token_ids: Int[Array, "V"] | None,
