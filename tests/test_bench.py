@@ -63,6 +63,20 @@ def test_sampled_rows_flag_is_checked(text, want):
         assert parse_sampled(text) == dict(temperature=want[0], top_p=want[1])
 
 
+@pytest.mark.parametrize("argv, match", [(["--sampling", "greedy,0.8:0.9,1:1.5"], "--sampling: expected"),
+                                         (["--sampling", ""], "--sampling: empty"),
+                                         (["--batches", "1,0"], "--batches: expected"),
+                                         (["--batches", "8,x"], "--batches: expected"),
+                                         (["--drafters", "medusa"], "--drafters: unknown medusa")])
+def test_adaptive_bench_flags_are_checked_before_the_model_loads(argv, match):
+    from jaxspec.bench.adaptive import main, parse_sampling
+
+    with pytest.raises(SystemExit, match=match):
+        main(argv)
+    assert parse_sampling("greedy, 0.8:0.9,1") == [("greedy", {}), ("T 0.8, top-p 0.9", dict(temperature=0.8, top_p=0.9)),
+                                                  ("T 1", dict(temperature=1.0, top_p=1.0))]
+
+
 def test_heldout_prompts_come_from_the_split_training_never_sees():
     from jaxspec.train.sharegpt import sharegpt_conversations, sharegpt_heldout_prompts
 
