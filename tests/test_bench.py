@@ -73,8 +73,8 @@ def test_adaptive_bench_flags_are_checked_before_the_model_loads(argv, match):
 
     with pytest.raises(SystemExit, match=match):
         main(argv)
-    assert parse_sampling("greedy, 0.8:0.9,1") == [("greedy", {}), ("T 0.8, top-p 0.9", dict(temperature=0.8, top_p=0.9)),
-                                                  ("T 1", dict(temperature=1.0, top_p=1.0))]
+    assert parse_sampling("greedy, 0.8:0.9,1") == [
+        ("greedy", {}), ("T 0.8, top-p 0.9", dict(temperature=0.8, top_p=0.9)), ("T 1", dict(temperature=1.0, top_p=1.0))]
 
 
 def test_heldout_prompts_come_from_the_split_training_never_sees():

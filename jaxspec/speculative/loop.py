@@ -33,7 +33,8 @@ from jaxspec.speculative.penalties import penalize_tree
 from jaxspec.speculative.sampling import argmax_last, make_verify_noise, target_probs_from_logits
 from jaxspec.speculative.tree import build_tree
 from jaxspec.speculative.types import Committed, DrafterContractError, FeatureRequest, TargetKV
-from jaxspec.speculative.verify import emitted_tokens, verify_coupled, verify_greedy, verify_rejection, verify_target_only
+from jaxspec.speculative.verify import (emitted_tokens, verify_coupled, verify_greedy, verify_rejection,
+                                       verify_target_only)
 
 
 @jax.tree_util.register_dataclass

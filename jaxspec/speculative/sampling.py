@@ -277,8 +277,8 @@ def top_k_top_p_mask(
     holds for every row whose top-k is <= kk, and for a top-p-only row whose first kk tokens
     already hold mass >= top_p. Otherwise the whole batch tries the next tier, and past the last
     the bisection, which finds the reference's cutoff without sorting (`cond`s: only the branch
-    taken runs). `tiers` default: SELECT_TIERS, read when
-    traced (tests on tiny vocabularies set smaller tiers to exercise every branch).
+    taken runs). `tiers` default: SELECT_TIERS, read when traced (tests on tiny vocabularies set
+    smaller tiers to exercise every branch; `()` sends every row to the bisection).
     """
     tiers = tuple(t for t in (SELECT_TIERS if tiers is None else tiers) if t < scaled.shape[-1])
     if not tiers:
