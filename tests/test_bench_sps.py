@@ -50,8 +50,8 @@ def test_shipped_cpu_table_loads():
 
 def test_sampled_verify_steps_decide_what_the_loop_decides(tmp_path, capsys):
     """`--sampled` times verify steps with their accept decision: greedy rows emit the argmax of the
-    same forward's logits, sampled rows the coupled races (checked against the dense softmax / noise
-    race), and the run writes no table."""
+    same forward's logits, sampled rows the coupled walk's bonus (checked against a walk over the
+    dense softmax / noise races), and the run writes no table."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -76,7 +76,14 @@ def test_sampled_verify_steps_decide_what_the_loop_decides(tmp_path, capsys):
                                                                     lens[:, None] + 1 + jnp.arange(w)[None])
     probs = sampling.target_probs_from_logits(logits, jnp.full((b,), t), jnp.full((b,), k), jnp.full((b,), p))
     noise = jax.vmap(jax.vmap(lambda key: sampling.exp_noise(key, (cfg.vocab_size,))))(keys)
-    np.testing.assert_array_equal(run((t, k, p)), np.asarray(probs / noise).argmax(-1))
+    races = np.asarray(probs / noise).argmax(-1)  # [b, w]: the race after each fed token
+    bonus = []
+    for r in range(b):  # the coupled walk over the fed chain: accept while the next token is the race
+        j = 0
+        while j < w - 1 and toks[r, j + 1] == races[r, j]:
+            j += 1
+        bonus.append(races[r, j])
+    np.testing.assert_array_equal(run((t, k, p)), bonus)
     rc = sps.main(["--model", "tiny", "--batches", "1", "--widths", "2", "--context", "32", "--repeats", "1",
                    "--steps", "1", "--sampled", "--out", str(tmp_path / "x.json")])
     assert rc == 0 and not (tmp_path / "x.json").exists()
