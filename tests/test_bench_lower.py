@@ -89,7 +89,7 @@ def test_tpu_spec_loops_verify_with_mosaic(reports):
     for n in LOOPS:
         verify = [k for k in by_name[n]["kernels"]["Mosaic TPU"] if k.startswith("verify_")]
         # Greedy rows use the greedy kernel, and so do sampled rows under the default (coupled)
-        # rule: the greedy walk over the target's own races (`sampling.coupled_predict`).
+        # rule: the greedy walk over the target's own races (`verify.verify_coupled`).
         assert "verify_greedy" in verify, (n, verify)
     for r in rows:
         assert r["roles"]["verify"] == (r["name"] in LOOPS), r["name"]  # prefill verifies nothing
