@@ -192,6 +192,13 @@ def race_sample(
     return argmax_last(weights / exp_noise)
 
 
+def coupled_keys(seed: Int[Array, "B"], depth: Int[Array, "B N"], hist_len: Int[Array, "B"], max_depth: int):
+    """The race key of every tree node under the coupled rule, [B, N]: a node at depth d predicts
+    index hist_len + d and races with that index's key, the one plain sampling uses there."""
+    index = hist_len[:, None] + jnp.clip(depth, 0, max_depth)
+    return jax.vmap(jax.vmap(race_key, in_axes=(None, 0)))(seed, index)
+
+
 def coupled_predict(
     logits: Float[Array, "B N V"],
     depth: Int[Array, "B N"],
@@ -211,8 +218,7 @@ def coupled_predict(
     price: a draft is accepted with P(draft = sample), which a coupled drafter (racing its q
     with the same noise) pushes toward, but not up to, sum min(p, q).
     """
-    index = hist_len[:, None] + jnp.clip(depth, 0, max_depth)
-    keys = jax.vmap(jax.vmap(race_key, in_axes=(None, 0)))(sampling.seed, index)
+    keys = coupled_keys(sampling.seed, depth, hist_len, max_depth)
     return race_filtered(logits, sampling.temperature, sampling.top_k, sampling.top_p, keys)
 
 

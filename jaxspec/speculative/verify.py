@@ -86,7 +86,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from jaxspec.pallas import interpret_mode, kernel_backend, use_kernel
-from jaxspec.speculative.sampling import (UNDECIDED, coupled_predict, make_verify_noise, race_first_tier, race_key,
+from jaxspec.speculative.sampling import (UNDECIDED, coupled_keys, coupled_predict, make_verify_noise, race_first_tier,
                                          race_past_first_tier, race_sample, sparse_noise_supported)
 
 # VerifyResult lives in a leaf module the Pallas kernels import too (a kernel
@@ -385,8 +385,7 @@ def verify_coupled(
         return verify_greedy(tokens, retrieve_next_token, retrieve_next_sibling,
                              coupled_predict(logits, depth, sampling, hist_len, max_depth), max_depth=max_depth)
     walk = functools.partial(verify_greedy, tokens, retrieve_next_token, retrieve_next_sibling, max_depth=max_depth)
-    index = hist_len[:, None] + jnp.clip(depth, 0, max_depth)
-    keys = jax.vmap(jax.vmap(race_key, in_axes=(None, 0)))(sampling.seed, index)
+    keys = coupled_keys(sampling.seed, depth, hist_len, max_depth)
     rows = jnp.arange(tokens.shape[0])
 
     # 1. The candidates' races.
