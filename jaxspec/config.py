@@ -139,6 +139,12 @@ class SpecSection:
                         "faster; auto (default): on unless a shape flag (--num-draft-tokens, --num-steps, "
                         "--topk, --tree-choices) changes the default shape", flag="-", choices=("auto", "on", "off"))
 
+    # Shorter chains the engine's policy may run instead, beside plain decoding and the shape itself:
+    # at a batch where the configured width costs too much, a chain of 1 often still pays.
+    adaptive_lengths: tuple[int, ...] = opt((1,), "shorter draft chains the adaptive policy may also choose, "
+                                            "beside plain decoding and the configured shape ('' = none)",
+                                            flag="-", metavar="K1,K2,...")
+
     def adaptive_on(self) -> bool:
         if self.adaptive != "auto":
             return self.adaptive == "on"
@@ -214,6 +220,7 @@ class Config:
             *((BOUNDS[field].ok(getattr(s, key)), f"sampling.{key} must be {BOUNDS[field].bound}")
               for key, field in ENGINE_FIELDS.items()),
             (self.spec.adaptive in ("auto", "on", "off"), "spec.adaptive must be auto, on or off"),
+            (all(k >= 1 for k in self.spec.adaptive_lengths), "spec.adaptive_lengths must be draft lengths >= 1"),
             (0 <= self.serve.port < 65536, "serve.port must be in [0, 65535]"),
             (self.serve.steps_per_call >= 1, "serve.steps_per_call must be >= 1"),
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),

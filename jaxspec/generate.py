@@ -38,6 +38,7 @@ FLAG_KEYS = {
     "seed": "sampling.seed",
     "ignore_eos": "sampling.ignore_eos",
     "adaptive_spec": "spec.adaptive",
+    "adaptive_lengths": "spec.adaptive_lengths",
 }
 
 
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per batch bucket, plain decoding or the draft shape, whichever measures faster; auto "
                         "(default): on unless a shape flag (--num-draft-tokens, --num-steps, --topk, "
                         "--tree-choices) changes the default shape")
+    p.add_argument("--adaptive-lengths", metavar="K1,K2,...",
+                   help="shorter draft chains the adaptive policy may also choose (default 1; '' = none)")
     p.add_argument("--profile-phases", action="store_true",
                    help="rerun the first batch with draft/verify/other timed apart and print the split")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no text on stdout")

@@ -212,7 +212,7 @@ def test_the_server_and_cli_share_the_rules():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(page_sise=16), "unknown option 'page_sise'; valid options: adaptive, batch_buckets"),
+    (dict(page_sise=16), "unknown option 'page_sise'; valid options: adaptive, adaptive_lengths, batch_buckets"),
     (dict(algorithm="ngram"), "option 'algorithm': pass it as LLM's spec= argument"),
     (dict(page_size=0), "engine.page_size must be >= 1"),
     (dict(num_draft_tokens="many"), "spec.num_draft_tokens: expected int"),

@@ -67,7 +67,9 @@ def test_sampled_rows_flag_is_checked(text, want):
                                          (["--sampling", ""], "--sampling: empty"),
                                          (["--batches", "1,0"], "--batches: expected"),
                                          (["--batches", "8,x"], "--batches: expected"),
-                                         (["--drafters", "medusa"], "--drafters: unknown medusa")])
+                                         (["--drafters", "medusa"], "--drafters: unknown medusa"),
+                                         (["--fixed-lengths", "1,0"], "--fixed-lengths: expected"),
+                                         (["--fixed-lengths", "x"], "--fixed-lengths: expected")])
 def test_adaptive_bench_flags_are_checked_before_the_model_loads(argv, match):
     from jaxspec.bench.adaptive import main, parse_sampling
 

@@ -363,3 +363,10 @@ def test_metrics_cover_requests_latency_pages_and_speculation(served):
     for (b, ctx), k in current.items():
         assert metric(url, "jaxspec_spec_num_steps", {"batch_bucket": str(b), "context_bucket": str(ctx)}) == k
     assert metric(url, "jaxspec_spec_verify_calls_total") > 0
+    # What each draft length ran per batch bucket: the calls add up to every decode call; the tokens to
+    # fewer than were generated (each request's first token comes from its prefill).
+    by_k = {k: metric(url, "jaxspec_spec_calls_by_length_total", {"draft_length": str(k)})
+            for k in server.runner.candidates}
+    assert sum(by_k.values()) == metric(url, "jaxspec_decode_calls_total") > 0
+    assert metric(url, "jaxspec_spec_seconds_by_length_total") > 0
+    assert 0 < metric(url, "jaxspec_spec_tokens_by_length_total") < metric(url, "jaxspec_generation_tokens_total")

@@ -150,7 +150,7 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
         # One short request primes the HTTP path; not measured.
         asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
         rows = bench_url(url, model, prompts, levels, args)
-        return rows, {"model": model, "adaptive": adaptive_choice(url)}
+        return rows, {"model": model, "adaptive": adaptive_choice(url), "by_length": by_length(url)}
 
 
 def adaptive_choice(url: str) -> dict[tuple[int, int], int]:
@@ -164,6 +164,28 @@ def adaptive_choice(url: str) -> dict[tuple[int, int], int]:
             if s.name == "jaxspec_spec_num_steps":
                 out[(int(s.labels["batch_bucket"]), int(s.labels["context_bucket"]))] = int(s.value)
     return dict(sorted(out.items()))
+
+
+def by_length(url: str) -> dict[tuple[int, int], tuple[int, float, float]]:
+    """(calls, seconds, tokens) per (batch bucket, draft length) over the server's life
+    (`jaxspec_spec_*_by_length_total`): where the time went, probes included."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"jaxspec_spec_calls_by_length_total": 0, "jaxspec_spec_seconds_by_length_total": 1,
+             "jaxspec_spec_tokens_by_length_total": 2}
+    out: dict[tuple[int, int], list[float]] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name in names:
+                key = (int(s.labels["batch_bucket"]), int(s.labels["draft_length"]))
+                out.setdefault(key, [0, 0.0, 0.0])[names[s.name]] = s.value
+    return {key: (int(c), sec, tok) for key, (c, sec, tok) in sorted(out.items())}
+
+
+def format_by_length(table: dict) -> str:
+    return "; ".join(f"b{b} k={k}: {c} calls, {sec:.1f} s, {tok / sec if sec else 0:.0f} tok/s"
+                     for (b, k), (c, sec, tok) in table.items())
 
 
 def hf_and_roofline(args, prompts: list[str]) -> tuple[float, float]:
@@ -240,6 +262,8 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         results[mode], info = serve_mode(mode, args, prompts, levels)
         print(f"[{mode}] done; draft length per (batch, context) bucket: {info['adaptive'] or 'n/a'}", flush=True)
+        print(f"[{mode}] decode calls by batch bucket and draft length: {format_by_length(info['by_length'])}",
+              flush=True)
     hf_tps, roofline = hf_and_roofline(args, prompts) if args.hf_prompts else (float("nan"), float("nan"))
     base = {(r["concurrency"], r["variant"]): r["tok_s"] for r in results.get("off", [])}
     rows = []

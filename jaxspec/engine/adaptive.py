@@ -121,30 +121,40 @@ class AdaptiveSteps:
 
 
 class EngineAdaptive:
-    """The offline engine's policy (`Engine(adaptive=True)`): per batch bucket, plain decoding
-    (k = 0) or the configured draft shape (k = its depth), whichever `AdaptiveSteps` scores higher.
+    """The offline engine's policy (`Engine(adaptive=True)`): per batch bucket, the draft length
+    among `widths` (k -> verify width: 0 is plain decoding, the largest k the configured shape,
+    the others shorter chains, `spec.adaptive_lengths`) that `AdaptiveSteps` scores highest.
 
     The engine runs a whole batch in one on-device loop, so the choice is made per batch, before
-    it starts. Costs are seconds per loop iteration of each program in the bucket: calibrated the
-    first time a bucket is used (a short dummy batch through both compiled programs), then an EMA
-    of the real batches. Acceptance rates are shared across buckets (a batch-1 run informs the
+    it starts. Costs are seconds per loop iteration in the bucket. Plain decoding and the
+    configured shape are calibrated the first time a bucket is used (a short dummy batch through
+    both programs); a shorter chain starts at the cost interpolated between them by verify width
+    (the verify is what grows with k) and is compiled only when chosen, so a length no bucket
+    wants costs no compile. Every real batch then updates its program's cost (an EMA; the first
+    replaces the estimate). Acceptance rates are shared across buckets (a batch-1 run informs the
     batch-8 choice) and start at `prior_rate`. There is no probing: a whole batch spent on the
-    losing program costs more offline than a server's single probe call, so a bucket the
-    calibration sent to plain decoding stays there unless the rates, learnt in other buckets,
-    change the score.
+    losing program costs more offline than a server's single probe call.
     """
 
-    def __init__(self, depth: int, *, hysteresis: float = 0.1, prior_rate: float = 0.5):
-        self.depth = depth
-        self.steps = AdaptiveSteps((0, depth), {}, hysteresis=hysteresis, probe_every=2**31, prior_rate=prior_rate)
+    def __init__(self, widths: Mapping[int, int], *, hysteresis: float = 0.1, prior_rate: float = 0.5):
+        self.widths = dict(widths)
+        self.depth = max(self.widths)
+        if 0 not in self.widths or self.depth == 0:
+            raise ValueError(f"the engine's policy needs plain decoding (k = 0) and a draft length, got {widths}")
+        self.measured = (0, self.depth)  # calibrated per bucket; the others are interpolated
+        self.steps = AdaptiveSteps(tuple(self.widths), {}, hysteresis=hysteresis, probe_every=2**31,
+                                   prior_rate=prior_rate)
         self.choices: dict[Hashable, list[int]] = {}  # bucket -> k of each batch run there
 
     def calibrated(self, bucket: Hashable) -> bool:
         return all((k, bucket) in self.steps.cost for k in self.steps.candidates)
 
     def calibrate(self, bucket: Hashable, seconds_per_iteration: Mapping[int, float]) -> None:
-        for k, sec in seconds_per_iteration.items():
-            self.steps.cost[(k, bucket)] = max(sec, 1e-9)
+        """Measured costs of k = 0 and the configured shape; the shorter chains' by width between them."""
+        c0, cd = (max(seconds_per_iteration[k], 1e-9) for k in self.measured)
+        w0, wd = self.widths[0], self.widths[self.depth]
+        for k, w in self.widths.items():
+            self.steps.cost[(k, bucket)] = c0 + (cd - c0) * (w - w0) / max(wd - w0, 1)
 
     def choose(self, bucket: Hashable) -> int:
         k = self.steps.choose(bucket)
@@ -162,8 +172,8 @@ class EngineAdaptive:
         for (b, ctx), ks in sorted(self.choices.items()):
             runs = ", ".join(f"{'plain' if k == 0 else f'k={k}'} x{ks.count(k)}" for k in sorted(set(ks)))
             parts.append(f"batch {b} ctx {ctx}: {runs}")
-        return (f"adaptive: {'; '.join(parts)} (E[tokens/step] at k={self.depth}: "
-                f"{self.steps.expected_tokens(self.depth):.2f})")
+        expected = ", ".join(f"k={k}: {self.steps.expected_tokens(k):.2f}" for k in self.steps.candidates if k)
+        return f"adaptive: {'; '.join(parts)} (E[tokens/step] {expected})"
 
 
 def calibrate(runner) -> None:

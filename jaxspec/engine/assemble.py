@@ -56,7 +56,8 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
     """The runner `cfg` describes over `model` (a LoadedModel).
 
     Offline: each decode call runs until its rows are done, at the configured shape, with plain
-    decoding (k = 0) compiled beside it when the adaptive policy is on (`spec.adaptive`).
+    decoding (k = 0) and the shorter chains of `spec.adaptive_lengths` beside it when the adaptive
+    policy is on (`spec.adaptive`).
     Serving: calls of `serve.steps_per_call` iterations at each candidate draft length
     (`serve.adaptive_steps` under `serve.adaptive`, else the configured one), chunked prefill
     (`serve.prefill_chunk`), and pages sized from free memory under `serve.kv_memory_fraction`.
@@ -73,7 +74,8 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
               split_pages=split_pages)
     if not serving:
         return ModelRunner(model.params, model.config, ecfg, spec=spec if spec_on else None,
-                           with_plain=spec_on and spec.adaptive_on(), **kw)
+                           adaptive_lengths=spec.adaptive_lengths if spec_on and spec.adaptive_on() else None,
+                           **kw)
     candidates = None  # the configured shape (a chain or a tree) at its own depth
     if not spec_on:
         candidates = (0,)

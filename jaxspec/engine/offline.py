@@ -30,8 +30,8 @@ class Engine:
     """Batches of requests through a `ModelRunner` built for offline use (calls run to completion).
 
     Arguments as `ModelRunner`'s; `adaptive` (with speculation): each batch bucket runs plain
-    decoding or the configured draft shape, whichever the policy (`engine.adaptive.EngineAdaptive`)
-    expects to commit more tokens per second."""
+    decoding, the configured draft shape or a shorter chain (`spec.adaptive_lengths`), whichever
+    the policy (`engine.adaptive.EngineAdaptive`) expects to commit more tokens per second."""
 
     def __init__(self, params: dict, cfg, engine_cfg: EngineSection, *, progress: bool = True, spec=None,
                  draft=None, ngram_corpus=None, mesh=None, benchmark: bool = False, split_pages: bool = True,
@@ -39,11 +39,12 @@ class Engine:
         spec_on = spec is not None and algorithm_info(spec.algorithm).speculative
         self._attach(ModelRunner(params, cfg, engine_cfg, spec=spec if spec_on else None, draft=draft,
                                  ngram_corpus=ngram_corpus, mesh=mesh, split_pages=split_pages, benchmark=benchmark,
-                                 progress=progress, with_plain=adaptive and spec_on))
+                                 progress=progress,
+                                 adaptive_lengths=spec.adaptive_lengths if adaptive and spec_on else None))
 
     @classmethod
     def over(cls, runner: ModelRunner) -> "Engine":
-        """The engine over an offline runner (`engine.assemble`); adaptive when it compiled plain
+        """The engine over an offline runner (`engine.assemble`); adaptive when it has plain
         decoding beside speculation."""
         self = cls.__new__(cls)
         self._attach(runner)
@@ -61,7 +62,7 @@ class Engine:
         if r.speculative and 0 in r.candidates and self.depth > 0:
             from jaxspec.engine.adaptive import EngineAdaptive
 
-            self.adaptive = EngineAdaptive(self.depth)
+            self.adaptive = EngineAdaptive({k: r.plans[k].num_draft_tokens for k in r.candidates})
         self.last_timing: dict[str, float] = {}
 
     @property
@@ -86,9 +87,11 @@ class Engine:
 
     def compile(self, buckets: Sequence[tuple[int, int, int]]) -> None:
         """AOT-compile prefill and decode for each (batch, prompt_len, context) bucket; with the
-        adaptive policy, both programs, and calibrate the policy's costs in a new bucket."""
+        adaptive policy, plain decoding and the configured shape (a shorter chain compiles when first
+        chosen), and calibrate the policy's costs in a new bucket."""
         r = self.runner
-        r.compile([key for bk in buckets for k in r.candidates for key in self._keys(bk, k)], progress=self.progress)
+        lengths = self.adaptive.measured if self.adaptive is not None else r.candidates
+        r.compile([key for bk in buckets for k in lengths for key in self._keys(bk, k)], progress=self.progress)
         for bucket in buckets if self.adaptive is not None else ():
             b, _, ctx = bucket
             if not self.adaptive.calibrated((b, ctx)):
@@ -127,6 +130,7 @@ class Engine:
             key = (bucket[0], bucket[2])
             # 1. The policy picks the draft length for this bucket (calibrated by compile).
             k = self.adaptive.choose(key) if self.adaptive is not None else self.depth
+            self.runner.compile(self._keys(bucket, k), progress=self.progress)  # not inside the timed call
             out = self._run_batch([requests[i] for i in idx], bucket, timing, k)
             for i, res in zip(idx, out):
                 results[i] = res
@@ -138,14 +142,14 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def _calibrate(self, bucket) -> dict[int, float]:
-        """Seconds per loop iteration of plain decoding and of speculation in `bucket`: a dummy batch
-        of 16 new tokens per row through each compiled program, twice, the second run kept."""
+        """Seconds per loop iteration of plain decoding and of the configured shape in `bucket`: a dummy
+        batch of 16 new tokens per row through each program, twice, the second run kept."""
         b, _, ctx = bucket
         new = max(2, min(16, ctx - 8 - self.reserve_tokens))
         dummy = [Request([1] * 8, SamplingParams(max_tokens=new))] * b
         out = {}
         for _ in range(2):  # the first call of a fresh executable pays set-up costs
-            for k in self.runner.candidates:
+            for k in self.adaptive.measured:
                 self._run_batch(dummy, bucket, {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}, k)
                 seconds, iters = self._last_call
                 out[k] = seconds / max(iters, 1)

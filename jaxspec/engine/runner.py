@@ -95,15 +95,17 @@ class ModelRunner:
     heads and MLP columns its TP size does not divide are zero-padded (exact), so `cfg` may
     have more heads than `model_cfg`. `split_pages`: with a "data" axis > 1, a page pool and
     store slice per data shard. `steps_candidates`: the draft lengths k compiled (default:
-    the configured shape's depth; `with_plain` adds k = 0); `steps_per_call`: iterations per
-    decode call (None: until every row is done)."""
+    the configured shape's depth); `adaptive_lengths` (the offline policy's candidates): adds
+    k = 0 and these shorter chains; `steps_per_call`: iterations per decode call (None: until
+    every row is done)."""
 
     def __init__(self, params: dict, cfg: ModelConfig, engine_cfg: EngineSection, *, spec=None,
                  draft: tuple | None = None, ngram_corpus=None, mesh: jax.sharding.Mesh | None = None,
                  split_pages: bool = True, benchmark: bool = False, progress: bool = True,
                  steps_candidates: Sequence[int] | None = None, steps_per_call: int | None = None,
                  context_buckets: Sequence[int] | None = None, prefill_chunk: int | None = None,
-                 max_prefill_batch: int | None = None, with_plain: bool = False):
+                 max_prefill_batch: int | None = None,
+                 adaptive_lengths: Sequence[int] | None = None):
         # 1. Mesh and weights.
         self.mesh = mesh
         self.split_pages = bool(split_pages and mesh is not None and mesh.shape["data"] > 1)
@@ -127,8 +129,14 @@ class ModelRunner:
         self.speculative = spec is not None and algorithm_info(spec.algorithm).speculative
         self.corpus = None
         self.base_plan = self._plan(spec, benchmark, ngram_corpus)
-        candidates = (self.base_plan.max_depth,) if steps_candidates is None else tuple(steps_candidates)
-        self.candidates = tuple(sorted(set(candidates + ((0,) if with_plain else ()))))
+        depth = self.base_plan.max_depth
+        candidates = (depth,) if steps_candidates is None else tuple(steps_candidates)
+        if adaptive_lengths is not None and self.speculative:
+            if any(k > depth for k in adaptive_lengths):
+                raise RequestError(f"spec.adaptive_lengths {tuple(adaptive_lengths)}: the policy's shorter chains "
+                                   f"must be at most the configured shape's depth, {depth}")
+            candidates += (0, *adaptive_lengths)
+        self.candidates = tuple(sorted(set(candidates)))
         self.plans = {k: plan_for_steps(self.base_plan, k) for k in self.candidates}
         self.max_depth = max(p.max_depth for p in self.plans.values())
         self.steps_per_call = steps_per_call

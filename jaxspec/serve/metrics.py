@@ -61,6 +61,16 @@ class ServerMetrics:
         self._evicted_seen = self._queried = self._hit = 0
         self.preemptions = Counter(p + "preemptions", "Requests preempted (freed and recomputed later)", registry=r)
         self.decode_calls = Counter(p + "decode_calls", "Device decode calls", registry=r)
+        # Per draft length and batch bucket: what the adaptive policy ran, what it cost, what it emitted
+        # (tokens / seconds is each program's live throughput, the quantity the policy compares).
+        by = ["draft_length", "batch_bucket"]
+        self.calls_by_length = Counter(p + "spec_calls_by_length", "Decode calls per draft length and batch bucket",
+                                       by, registry=r)
+        self.seconds_by_length = Counter(p + "spec_seconds_by_length",
+                                         "Seconds in decode calls per draft length and batch bucket", by, registry=r)
+        self.tokens_by_length = Counter(p + "spec_tokens_by_length",
+                                        "Tokens committed by decode calls per draft length and batch bucket", by,
+                                        registry=r)
         self.accept_length = Histogram(p + "spec_accept_length", "Tokens committed per verify step (bonus included)",
                                        buckets=tuple(range(1, max_accept_length + 1)), registry=r)
         self.accept_rate = Gauge(p + "spec_accept_rate", "Accepted draft tokens / draft depth, per verify step",
@@ -113,9 +123,15 @@ class ServerMetrics:
         if seq.first_token_time is not None and seq.num_generated > 1:
             self.tpot.observe((time.perf_counter() - seq.first_token_time) / (seq.num_generated - 1))
 
-    def decode_call(self, k: int, bucket: tuple[int, int], accept_lens, drafted: int, depth: int, adaptive) -> None:
-        """drafted: draft tokens per verify step (tree nodes); depth: positions along one path."""
+    def decode_call(self, k: int, bucket: tuple[int, int], accept_lens, drafted: int, depth: int, adaptive,
+                    seconds: float = 0.0, tokens: int = 0) -> None:
+        """drafted: draft tokens per verify step (tree nodes); depth: positions along one path; seconds
+        and tokens: the call's wall time and the tokens it committed."""
         self.decode_calls.inc()
+        labels = (str(k), str(bucket[0]))
+        self.calls_by_length.labels(*labels).inc()
+        self.seconds_by_length.labels(*labels).inc(seconds)
+        self.tokens_by_length.labels(*labels).inc(tokens)
         self.num_draft_tokens.set(drafted)
         current = adaptive.current if adaptive is not None else {bucket: k}
         for (b, ctx), steps in current.items():

@@ -426,7 +426,8 @@ class Scheduler:
             self.adaptive.observe(k, (b, ctx), accept, seconds / iters if iters else None)
         if self.metrics is not None:
             plan = r.plans[k]
-            self.metrics.decode_call(k, (b, ctx), accept, plan.num_draft_tokens - 1, plan.max_depth, self.adaptive)
+            self.metrics.decode_call(k, (b, ctx), accept, plan.num_draft_tokens - 1, plan.max_depth, self.adaptive,
+                                     seconds, sum(len(o.tokens) for o in outs if o is not None))
         for seq, out in zip(layout, outs):
             if seq is None:
                 continue
