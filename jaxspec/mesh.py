@@ -90,6 +90,27 @@ def _shape_of(mesh_or_shape) -> MeshShape:
     return MeshShape(mesh_or_shape.shape["data"], mesh_or_shape.shape["model"])
 
 
+def pad_for_mesh(params: dict | None, cfg: ModelConfig, mesh: Mesh | None, what: str, progress: bool = True):
+    """(params, cfg, HeadPadding | None): heads / MLP columns zero-padded so the mesh's TP size divides
+    them (exact; `models.padding`). Reported on stderr, since padding costs memory and FLOPs."""
+    import sys
+
+    from jaxspec.models.padding import padded_config, pad_params
+
+    if mesh is None:
+        return params, cfg, None
+    padded, info = padded_config(cfg, mesh.shape["model"])
+    if not info.none:
+        if params is not None and "head" in params:
+            raise MeshError(f"{what}: padding heads for tensor-parallel size {info.tp} needs the loaded "
+                            "(Hugging Face) params layout, not runtime params (prepare_params)")
+        params = pad_params(params, cfg, padded) if params is not None else None
+        if progress:
+            print(f"jaxspec: {info.summary(what)}", file=sys.stderr)
+    validate_for_model(mesh, padded, what)
+    return params, padded, info
+
+
 def validate_for_model(shape: MeshShape | Mesh, cfg: ModelConfig, what: str = "model") -> None:
     """Tensor parallelism splits whole heads and MLP columns: each must divide by TP.
 

@@ -82,6 +82,7 @@ def test_adaptive_turns_speculation_off_when_it_loses_and_on_when_it_wins():
 def test_adaptive_hysteresis_and_probing():
     cost = {(k, 4): 1.0 for k in (0, 2)}
     a = AdaptiveSteps((0, 2), cost, hysteresis=0.5, probe_every=4, max_probe_every=16)
+    a.observe(0, 4, [], 1.0)  # both costs live: nothing left to explore
     a.observe(2, 4, [1, 1, 1, 1], 1.0)  # rate 0: k = 0 wins
     assert a.choose(4) == 0
     a.observe(2, 4, [2, 2, 1, 1], 1.0)  # rate recovers a little: +25% score, under the 50% hysteresis
@@ -93,6 +94,53 @@ def test_adaptive_hysteresis_and_probing():
         a.observe(2, 4, [3, 3, 3, 3], 1.0)
     # A switch resets the gap: k = 0 is probed on the 4th call again.
     assert [a.choose(4) for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 2]
+
+
+def test_adaptive_explores_each_candidate_once_before_probing():
+    """A start-up calibration that overprices plain decoding (1.3 s against 1.0 live) sends batch 32 to
+    k = 1, which live runs at 0.89x plain: exploration measures k = 0 and k = 3 live on the bucket's
+    2nd and 3rd calls, and from the 4th call on it decodes plainly."""
+    cal = {(0, 32): 1.3, (1, 32): 1.05, (3, 32): 1.5}
+    a = AdaptiveSteps((0, 1, 3), cal, hysteresis=0.1, probe_every=16)
+    a.observe(1, 1, [2, 2, 1, 1], None)  # r1 = 0.5 from batch 1: E(1) / 1.05 = 1.43 beats plain's 1.0
+    live = {0: 1.0, 1: 1.4, 3: 1.9}  # seconds per iteration when run
+    ran = []
+    for _ in range(12):
+        k = a.choose(32)
+        ran.append(k)
+        a.observe(k, 32, [2, 1, 1, 1] * 8 if k else [1] * 32, live[k])  # r1 = 0.25 at batch 32
+    assert ran[:4] == [1, 0, 3, 0] and set(ran[3:]) == {0}
+    # Without exploration the calibrated plain cost stands until the first probe (call 16).
+    b = AdaptiveSteps((0, 1, 3), cal, hysteresis=0.1, probe_every=16, explore=False)
+    b.observe(1, 1, [2, 2, 1, 1], None)
+    ran = []
+    for _ in range(12):
+        k = b.choose(32)
+        ran.append(k)
+        b.observe(k, 32, [2, 1, 1, 1] * 8 if k else [1] * 32, live[k])
+    assert ran == [1] * 12
+
+
+@pytest.mark.parametrize("plausible", [0.75, 0.0], ids=["default", "control: every candidate worth a call"])
+def test_adaptive_does_not_explore_or_probe_a_hopeless_deeper_draft(plausible):
+    """The server's batch-32 bucket at C = 32 (2026-12-04 log): dummy-row calibration 55.7 / 73.1 /
+    106.6 ms for k = 0 / 1 / 3, live 120.7 / 190.9 / 381.5 ms, n-gram acceptance 7%. Plain decoding's
+    live cost scales the others' calibrations by 2.2x: the chain of 1 is still within reach and
+    explored once, the chain of 3 is not, and nothing is probed after."""
+    b = (32, 512)
+    a = AdaptiveSteps((0, 1, 3), {(0, b): 0.0557, (1, b): 0.0731, (3, b): 0.1066}, plausible=plausible)
+    a.observe(3, (1, 512), [2] * 7 + [1] * 93, None)  # r1 = 0.07, r2 = 0
+    live = {0: 0.1207, 1: 0.1909, 3: 0.3815}
+    ran = []
+    for _ in range(80):
+        k = a.choose(b)
+        ran.append(k)
+        a.observe(k, b, [1] * 128, live[k])
+    if plausible:
+        assert ran == [0, 1] + [0] * 78
+        assert a.estimated_cost(3, b) == pytest.approx(0.1066 * (0.1207 / 0.0557 + 0.1909 / 0.0731) / 2)
+    else:  # positive control: the chain of 3 is explored (call 3) and probed
+        assert ran[:3] == [0, 1, 3] and ran.count(3) > 1 and a.current[b] == 0
 
 
 def test_adaptive_live_costs_replace_the_calibration():

@@ -17,12 +17,15 @@ The choice maximises E(k) / cost(k, bucket); it switches only when the winner be
 the current choice by `hysteresis`, so noise does not flap it. Positions
 beyond the deepest one observed reuse its rate.
 
-Exploration: now and then a call in a bucket runs another candidate (round
-robin), so every cost in the comparison is a live measurement, not only the
-start-up calibration (which misses host overhead and real drafts; comparing a
-live cost against calibrated ones biased the choice), and acceptance keeps
-being measured while at k = 0. The first probe comes after `probe_every`
-calls; each probe that leaves the choice as it was doubles the gap to the
+Exploration: a bucket's second and following calls first run each other
+candidate once (`explore`), so the comparison is between live costs from the
+start: the start-up calibration misses host overhead and real drafts, and a
+live cost against a calibrated one biased the choice (at C = 32 the server ran
+a chain of 1 for 23 of batch 32's 49 calls, at 0.85x plain decoding's live
+tokens/s). Then, now and then, a
+call runs another candidate (round robin), so the costs stay live and
+acceptance keeps being measured while at k = 0. The first probe comes after
+`probe_every` calls; each probe that leaves the choice as it was doubles the gap to the
 next, up to `max_probe_every`, and a switch resets it. A probe at a large
 batch is the losing program by construction (a k = 3 call over 32 rows costs
 ~2.5 plain calls for ~1.4x the tokens), so a fixed gap of 16 calls cost the
@@ -31,13 +34,16 @@ server 8% at C = 32; a settled bucket now pays a fraction of a percent.
 
 from __future__ import annotations
 
+import logging
 from typing import Hashable, Mapping, Sequence
+
+log = logging.getLogger("jaxspec.adaptive")
 
 
 class AdaptiveSteps:
     def __init__(self, candidates: Sequence[int], cost: Mapping[tuple, float], *, ema: float = 0.1,
                  hysteresis: float = 0.1, probe_every: int = 16, max_probe_every: int = 256,
-                 prior_rate: float = 0.5):
+                 prior_rate: float = 0.5, explore: bool = True, plausible: float = 0.75):
         self.candidates = tuple(sorted(set(candidates)))
         if not self.candidates or min(self.candidates) < 0:
             raise ValueError(f"adaptive candidates must be non-negative draft lengths, got {candidates}")
@@ -55,6 +61,10 @@ class AdaptiveSteps:
         self._probe_gap: dict[Hashable, int] = {}  # calls between probes, doubled while the choice holds
         self._next_probe: dict[Hashable, int] = {}  # the call number of the bucket's next probe
         self._live: set = set()  # (k, bucket) costs measured while serving
+        self.explore = explore
+        self.plausible = plausible
+        self._explored: set = set()  # (k, bucket) run once by exploration
+        self._calibration: dict[tuple, float] = {}  # (k, bucket) -> its calibrated cost, once live
 
     # ---- model -------------------------------------------------------------------
 
@@ -72,9 +82,26 @@ class AdaptiveSteps:
             total += p
         return total
 
-    def score(self, k: int, b: Hashable) -> float:
+    def estimated_cost(self, k: int, b: Hashable) -> float | None:
+        """Live, else calibrated; with exploration a calibration is scaled by the bucket's mean
+        live / calibrated ratio (real rows cost 2-4x the dummy ones at C = 32), so that it compares
+        with live costs."""
         cost = self.cost.get((k, b))
+        if cost is None or (k, b) in self._live or not self.explore:
+            return cost
+        ratios = [self.cost[(j, b)] / self._calibration[(j, b)] for j in self.candidates
+                  if (j, b) in self._calibration]
+        return cost * sum(ratios) / len(ratios) if ratios else cost
+
+    def score(self, k: int, b: Hashable) -> float:
+        cost = self.estimated_cost(k, b)
         return self.expected_tokens(k) / cost if cost else 0.0
+
+    def _worth_running(self, k: int, cur: int, b: Hashable) -> bool:
+        """Whether exploring or probing k is worth a call: a shorter draft always (it costs less than
+        `cur`'s call), a longer one only if its estimate is within `plausible` of `cur`'s score (a
+        chain of 3 over 32 rows costs 3.4 plain calls live, for 1.2x the tokens)."""
+        return k < cur or self.score(k, b) >= self.plausible * self.score(cur, b)
 
     # ---- policy ------------------------------------------------------------------
 
@@ -89,9 +116,16 @@ class AdaptiveSteps:
         n = self._calls.get(b, 0) + 1
         self._calls[b] = n
         if cur != prev:  # a new choice (or the first): probe soon again
+            log.info("adaptive: bucket %s -> k=%d (was %s; call %d): %s", b, cur, prev, n, self.describe(b))
             self._probe_gap[b] = self.probe_every
             self._next_probe[b] = n - 1 + self.probe_every
-        others = [k for k in self.candidates if k != cur]
+        if self.explore and n > 1:  # the first call measured `cur`; then each other candidate once
+            fresh = [k for k in self.candidates if k != cur and (k, b) not in self._live | self._explored
+                     and self._worth_running(k, cur, b)]
+            if fresh:
+                self._explored.add((fresh[0], b))
+                return fresh[0]
+        others = [k for k in self.candidates if k != cur and (not self.explore or self._worth_running(k, cur, b))]
         if others and n >= self._next_probe[b]:
             turn = self._probe_turn.get(b, 0)
             self._probe_turn[b] = turn + 1
@@ -100,11 +134,19 @@ class AdaptiveSteps:
             return others[turn % len(others)]
         return cur
 
+    def describe(self, b: Hashable) -> str:
+        """Each candidate's E(k), cost (live or calibrated) and score in bucket b, for the log."""
+        return ", ".join(
+            f"k={k} E={self.expected_tokens(k):.2f} cost={1e3 * (self.estimated_cost(k, b) or 0):.1f}ms"
+            f"{'' if (k, b) in self._live else ' (calibrated)'} score={self.score(k, b):.0f}" for k in self.candidates)
+
     def observe(self, k: int, b: Hashable, accept_lens: Sequence[int], seconds_per_iteration: float | None) -> None:
         """accept_lens: committed tokens per verify step (num_accepted + 1) at draft length k."""
         if seconds_per_iteration and seconds_per_iteration > 0:
             # The first live measurement replaces the calibration outright.
             old = self.cost.get((k, b)) if (k, b) in self._live else None
+            if old is None and self.cost.get((k, b)):
+                self._calibration[(k, b)] = self.cost[(k, b)]
             self._live.add((k, b))
             self.cost[(k, b)] = seconds_per_iteration if old is None else (
                 (1 - self.ema) * old + self.ema * seconds_per_iteration)
@@ -143,7 +185,7 @@ class EngineAdaptive:
             raise ValueError(f"the engine's policy needs plain decoding (k = 0) and a draft length, got {widths}")
         self.measured = (0, self.depth)  # calibrated per bucket; the others are interpolated
         self.steps = AdaptiveSteps(tuple(self.widths), {}, hysteresis=hysteresis, probe_every=2**31,
-                                   prior_rate=prior_rate)
+                                   prior_rate=prior_rate, explore=False)
         self.choices: dict[Hashable, list[int]] = {}  # bucket -> k of each batch run there
 
     def calibrated(self, bucket: Hashable) -> bool:

@@ -112,7 +112,7 @@ class ModelRunner:
         self.num_shards = mesh.shape["data"] if self.split_pages else 1
         self.progress = progress
         self.model_cfg = cfg  # as loaded; self.cfg is what runs (heads padded for the mesh)
-        params, cfg, self.padding = self._pad_for_mesh(params, cfg, "model")
+        params, cfg, self.padding = shd.pad_for_mesh(params, cfg, mesh, "model", progress)
         self._unstack = None if engine_cfg.layer_loop == "auto" else engine_cfg.layer_loop == "unrolled"
         self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
         runtime = prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels,
@@ -143,7 +143,8 @@ class ModelRunner:
         self.draft_padding = None
         dparams, dcfg = draft if draft is not None else (None, None)
         if isinstance(dcfg, ModelConfig):
-            dparams, dcfg, self.draft_padding = self._pad_for_mesh(dparams, dcfg, "draft model")
+            dparams, dcfg, self.draft_padding = shd.pad_for_mesh(dparams, dcfg, self.mesh, "draft model",
+                                                                       self.progress)
         self.draft_cfg = dcfg
         self.drafters = {k: self._build_drafter(plan, k) for k, plan in self.plans.items()}
         # Every plan's drafter keeps the main drafter's state layout (they differ in draft length
@@ -291,25 +292,6 @@ class ModelRunner:
         return jax.jit(program, donate_argnums=(2, 4))
 
     # ---- mesh --------------------------------------------------------------------
-
-    def _pad_for_mesh(self, params, cfg: ModelConfig, what: str):
-        """Zero-pad heads / MLP columns so the mesh's TP size divides them (exact; `models.padding`).
-
-        Reported on stderr at start-up, since padding costs memory and FLOPs."""
-        from jaxspec.models.padding import padded_config, pad_params
-
-        if self.mesh is None:
-            return params, cfg, None
-        padded, info = padded_config(cfg, self.mesh.shape["model"])
-        if not info.none:
-            if params is not None and "head" in params:
-                raise shd.MeshError(f"{what}: padding heads for tensor-parallel size {info.tp} needs the loaded "
-                                    "(Hugging Face) params layout, not runtime params (prepare_params)")
-            params = pad_params(params, cfg, padded) if params is not None else None
-            if self.progress:
-                print(f"jaxspec: {info.summary(what)}", file=sys.stderr)
-        shd.validate_for_model(self.mesh, padded, what)
-        return params, padded, info
 
     def pinned(self, fn, replicated: tuple[int, ...] = (), static: tuple[int, ...] = ()):
         """`fn` with its output state pinned to the mesh layout (identity without a mesh).
