@@ -22,14 +22,14 @@ candidate once (`explore`), so the comparison is between live costs from the
 start: the start-up calibration misses host overhead and real drafts, and a
 live cost against a calibrated one biased the choice (at C = 32 the server ran
 a chain of 1 for 23 of batch 32's 49 calls, at 0.85x plain decoding's live
-tokens/s). Then, now and then, a
-call runs another candidate (round robin), so the costs stay live and
-acceptance keeps being measured while at k = 0. The first probe comes after
-`probe_every` calls; each probe that leaves the choice as it was doubles the gap to the
-next, up to `max_probe_every`, and a switch resets it. A probe at a large
-batch is the losing program by construction (a k = 3 call over 32 rows costs
-~2.5 plain calls for ~1.4x the tokens), so a fixed gap of 16 calls cost the
-server 8% at C = 32; a settled bucket now pays a fraction of a percent.
+tokens/s). Then, now and then, a call runs another candidate (round robin), so
+the costs stay live and acceptance keeps being measured while at k = 0. The
+first probe comes after `probe_every` calls; each probe that leaves the choice
+as it was doubles the gap to the next, up to `max_probe_every`, and a switch
+resets it. A probe at a large batch is the losing program by construction (a
+k = 3 call over 32 rows costs ~2.5 plain calls for ~1.4x the tokens), so a
+fixed gap of 16 calls cost the server 8% at C = 32; a settled bucket now pays
+a fraction of a percent.
 """
 
 from __future__ import annotations
