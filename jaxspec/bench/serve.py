@@ -150,36 +150,35 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
         # One short request primes the HTTP path; not measured.
         asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
         rows = bench_url(url, model, prompts, levels, args)
-        return rows, {"model": model, "adaptive": adaptive_choice(url), "by_length": by_length(url)}
+        samples = metric_samples(url)
+        return rows, {"model": model, "adaptive": adaptive_choice(samples), "by_length": by_length(samples)}
 
 
-def adaptive_choice(url: str) -> dict[tuple[int, int], int]:
-    """The server's current draft length per (batch, context) bucket (`jaxspec_spec_num_steps`)."""
+def metric_samples(url: str) -> list:
+    """The server's /metrics samples, fetched and parsed once."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in fam.samples:
-            if s.name == "jaxspec_spec_num_steps":
-                out[(int(s.labels["batch_bucket"]), int(s.labels["context_bucket"]))] = int(s.value)
+    return [s for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in fam.samples]
+
+
+def adaptive_choice(samples: list) -> dict[tuple[int, int], int]:
+    """The server's current draft length per (batch, context) bucket (`jaxspec_spec_num_steps`)."""
+    out = {(int(s.labels["batch_bucket"]), int(s.labels["context_bucket"])): int(s.value)
+           for s in samples if s.name == "jaxspec_spec_num_steps"}
     return dict(sorted(out.items()))
 
 
-def by_length(url: str) -> dict[tuple[int, int], tuple[int, float, float]]:
+def by_length(samples: list) -> dict[tuple[int, int], tuple[int, float, float]]:
     """(calls, seconds, tokens) per (batch bucket, draft length) over the server's life
     (`jaxspec_spec_*_by_length_total`): where the time went, probes included."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     names = {"jaxspec_spec_calls_by_length_total": 0, "jaxspec_spec_seconds_by_length_total": 1,
              "jaxspec_spec_tokens_by_length_total": 2}
     out: dict[tuple[int, int], list[float]] = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in fam.samples:
-            if s.name in names:
-                key = (int(s.labels["batch_bucket"]), int(s.labels["draft_length"]))
-                out.setdefault(key, [0, 0.0, 0.0])[names[s.name]] = s.value
+    for s in samples:
+        if s.name in names:
+            key = (int(s.labels["batch_bucket"]), int(s.labels["draft_length"]))
+            out.setdefault(key, [0, 0.0, 0.0])[names[s.name]] = s.value
     return {key: (int(c), sec, tok) for key, (c, sec, tok) in sorted(out.items())}
 
 

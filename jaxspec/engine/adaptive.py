@@ -120,8 +120,8 @@ class AdaptiveSteps:
             self._probe_gap[b] = self.probe_every
             self._next_probe[b] = n - 1 + self.probe_every
         if self.explore and n > 1:  # the first call measured `cur`; then each other candidate once
-            fresh = [k for k in self.candidates if k != cur and (k, b) not in self._live | self._explored
-                     and self._worth_running(k, cur, b)]
+            fresh = [k for k in self.candidates if k != cur and (k, b) not in self._live
+                     and (k, b) not in self._explored and self._worth_running(k, cur, b)]
             if fresh:
                 self._explored.add((fresh[0], b))
                 return fresh[0]
