@@ -204,7 +204,8 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
       layer makes 4 calls instead of 7. Every column's sum is unchanged, bit for bit.
     * With `quantize = "int8"` every matrix and the LM head are weight-only int8 with a float32
       scale per output column (`native.packed_matmul.quantize_int8`): packed int8 tiles with
-      `native`, else `layers.Int8Weight` for XLA's dot.
+      `native`, else `layers.Int8Weight` for XLA's dot. A W8A16 checkpoint's own int8 weights
+      (`params["int8"]`, `models.compressed`) are used as they are, not quantized again.
     """
     if "head" in params:
         return params
@@ -219,19 +220,28 @@ def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bo
     layers = {k: (jnp.swapaxes(v, -1, -2) if k in MATRICES else v) for k, v in params["layers"].items()}
     head = params["embed"] if tie else params["lm_head"]
     out = {"embed": params["embed"], "final_norm": params["final_norm"], "head": jnp.asarray(head.T)}
+    if int8:  # (q [..., in, out], scale [..., out]) per matrix: the checkpoint's own, else quantized here
+        from jaxspec.native.packed_matmul import quantize_int8
+
+        pre = params.get("int8", {})
+        own = lambda k: (jnp.swapaxes(pre[k][0], -1, -2), pre[k][1])  # noqa: E731
+        layers = {k: (own(k) if k in pre else quantize_int8(v)) if k in MATRICES else v for k, v in layers.items()}
+        out["head"] = own("lm_head") if "lm_head" in pre and not tie else quantize_int8(out["head"])
     if native:
         from jaxspec.native.packed_matmul import pack_weight
 
         fused = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
-        for name, parts in fused.items():
-            layers[name] = jnp.concatenate([layers.pop(k) for k in parts], axis=-1)
+        for name, parts in fused.items():  # int8: per-column scales concatenate with their columns
+            fuse = [layers.pop(k) for k in parts]
+            layers[name] = (tuple(jnp.concatenate(x, axis=-1) for x in zip(*fuse)) if int8
+                            else jnp.concatenate(fuse, axis=-1))
         layers = {k: (pack_weight(v, int8) if k in MATRICES + tuple(fused) else v) for k, v in layers.items()}
         out["head"] = pack_weight(out["head"], int8)
     elif int8:
         from jaxspec.models.layers import Int8Weight
 
-        layers = {k: (Int8Weight.of(v) if k in MATRICES else v) for k, v in layers.items()}
-        out["head"] = Int8Weight.of(out["head"])
+        layers = {k: (Int8Weight(*v) if k in MATRICES else v) for k, v in layers.items()}
+        out["head"] = Int8Weight(*out["head"])
     if unstack:
         out["layers"] = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
     else:

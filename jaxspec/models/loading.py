@@ -26,6 +26,7 @@ import numpy as np
 
 # LoadError lives in config.py so gguf_convert can raise it without importing
 # this module (which imports gguf_convert); it stays importable from here.
+from jaxspec.models import compressed
 from jaxspec.models.config import HF_LAYER_KEYS, ConfigError, LoadError, ModelConfig, layer_keys
 from jaxspec.paths import cache_root
 
@@ -176,7 +177,9 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None
 def read_params(
     files: dict[str, Path], plan: dict[str, Any], cfg: ModelConfig, dtype: Any, progress: bool
 ) -> dict[str, Any]:
-    """Read the planned tensors, cast to `dtype`, stack layers into [L, ...]."""
+    """Read the planned tensors, cast to `dtype`, stack layers into [L, ...]. A W8A16 matrix
+    (`models.compressed`) reads as q * scale, its q and scale kept under params["int8"] when every
+    layer of it is quantized."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -191,13 +194,24 @@ def read_params(
     ) as bar:
         handles: dict[Path, Any] = {}
 
+        def handle(name: str):
+            if files[name] not in handles:
+                handles[files[name]] = stack.enter_context(safe_open(str(files[name]), framework="numpy"))
+            return handles[files[name]]
+
+        def stored(name: str, optional: bool = False) -> np.ndarray | None:
+            return None if optional and name not in files else handle(name).get_tensor(name)
+
+        int8: dict[str, Any] = {}
+
         def read(name: str, want: tuple[int, ...]) -> np.ndarray:
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="numpy"))
-            _check_shape(name, handles[file].get_slice(name).get_shape(), want)
             bar.update(1)
-            return handles[file].get_tensor(name)
+            if compressed.is_quantized(name, files):
+                q, scale = compressed.read_int8(stored, name, want)
+                int8[name] = (q, scale)
+                return q.astype(np.float32) * scale[:, None]
+            _check_shape(name, handle(name).get_slice(name).get_shape(), want)
+            return stored(name)
 
         # Stack into one preallocated buffer: no second full copy of the model.
         def stacked(key: str, names: list[str]) -> jnp.ndarray:
@@ -212,6 +226,12 @@ def read_params(
             if key in plan
         }
         params["layers"] = {key: stacked(key, names) for key, names in plan["layers"].items()}
+        pre = {key: tuple(jnp.asarray(np.stack(x)) for x in zip(*(int8[n] for n in names)))
+               for key, names in plan["layers"].items() if all(n in int8 for n in names)}
+        if "lm_head" in plan and plan["lm_head"] in int8:
+            pre["lm_head"] = tuple(jnp.asarray(x) for x in int8[plan["lm_head"]])
+        if pre:
+            params["int8"] = pre
     return params
 
 
@@ -263,7 +283,8 @@ def load_hf_dir(path: str | Path, dtype: Any = jnp.float32, progress: bool = Tru
     cfg = ModelConfig.from_json_file(path / "config.json")
     # 2. Match tensor names against the layout, then read and stack.
     files = checkpoint_files(path)
-    plan = plan_tensors(cfg, set(files))
+    names = compressed.logical_names(set(files)) if compressed.w8a16_format(path) else set(files)
+    plan = plan_tensors(cfg, names)
     params = read_params(files, plan, cfg, dtype, progress)
     # 3. Tokenizer, if the directory ships one.
     return LoadedModel(config=cfg, params=params, tokenizer=load_tokenizer(path), path=path)

@@ -59,16 +59,17 @@ def quantize_int8(
 
 
 def pack_weight(
-    w: jax.Array,  # [..., K, N] float32
+    w,  # [..., K, N] float32, or (q [..., K, N] int8, scale [..., N] float32) already quantized
     int8: bool = False,
 ) -> PackedWeight:
-    *lead, k, n = w.shape
+    quantized = isinstance(w, tuple)
+    *lead, k, n = w[0].shape if quantized else w.shape
     tiles = -(-n // TILE)
     pad = [(0, 0)] * (len(lead) + 1) + [(0, tiles * TILE - n)]
     scales = None
-    if int8:
-        w, scales = quantize_int8(w)
-        scales = jnp.pad(scales, pad[1:], constant_values=1.0)
+    if int8 or quantized:
+        w, scales = w if quantized else quantize_int8(w)
+        scales = jnp.pad(jnp.asarray(scales, jnp.float32), pad[1:], constant_values=1.0)
     else:
         w = jnp.asarray(w, jnp.float32)
     padded = jnp.pad(w, pad).reshape(*lead, k, tiles, TILE)
