@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.native.packed_matmul import PackedWeight, packed_matmul, quantize_int8
+from jaxspec.native.packed_matmul import PackedWeight, packed_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -21,10 +21,6 @@ class Int8Weight:
 
     q: jax.Array  # [..., K, N] int8
     scale: jax.Array  # [..., N] float32
-
-    @classmethod
-    def of(cls, w: jax.Array) -> "Int8Weight":  # w [..., K, N]
-        return cls(*quantize_int8(w))
 
 
 def rms_norm(
