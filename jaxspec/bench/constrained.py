@@ -92,9 +92,13 @@ def _counters(url: str) -> dict:
     return out
 
 
-def _tau(before: dict, after: dict) -> float:
-    """Tokens committed per verify step between two `_counters` reads (1 without speculation)."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+def _diff(before: dict, after: dict) -> dict:
+    """What each counter of two `_counters` reads grew by."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def _tau(d: dict) -> float:
+    """Tokens committed per verify step over a `_diff` (1 without speculation)."""
     count = d.get("jaxspec_spec_accept_length_count", 0.0)
     return d.get("jaxspec_spec_accept_length_sum", 0.0) / count if count else 1.0
 
@@ -113,12 +117,12 @@ def bench_constrained(url: str, model: str, sets: dict[str, tuple[list[str], dic
             free = asyncio.run(_level(url, model, ps, c, [{"max_tokens": max(t, 1), "ignore_eos": True}
                                                           for t in con["tokens"]]))
             c2 = _counters(url)
-            d = {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in c1}
+            d = _diff(c0, c1)
             calls = d.get("jaxspec_grammar_mask_calls_total", 0.0)
             rows.append({"set": name, "concurrency": c, "constrained": con["tok_s"], "free": free["tok_s"],
                          "stop_frac": float(np.mean([f == "stop" for f in con["finish"]])),
                          "tokens": float(np.mean(con["tokens"])),
-                         "tau": _tau(c0, c1), "tau_free": _tau(c1, c2),
+                         "tau": _tau(d), "tau_free": _tau(_diff(c1, c2)),
                          "mask_ms_per_call": 1e3 * d.get("jaxspec_grammar_mask_seconds_total", 0.0) / calls
                          if calls else float("nan"),
                          "mask_ms_per_token": 1e3 * d.get("jaxspec_grammar_mask_seconds_total", 0.0)

@@ -38,7 +38,7 @@ def w8a16_format(path: Path) -> str | None:
     where = "config.json quantization_config"
     if qc.get("quant_method") != "compressed-tensors":
         raise LoadError(f"{where}.quant_method is {qc.get('quant_method')!r}: only compressed-tensors "
-                              "W8A16 checkpoints are read (weight-only int8, a scale per output channel)")
+                        "W8A16 checkpoints are read (weight-only int8, a scale per output channel)")
     if qc.get("format") not in FORMATS:
         raise LoadError(f"{where}.format is {qc.get('format')!r}; supported: {', '.join(FORMATS)}")
     groups = qc.get("config_groups") or {}
@@ -50,11 +50,11 @@ def w8a16_format(path: Path) -> str | None:
         for key, value in want.items():
             if weights.get(key) != value:
                 raise LoadError(f"{where}.config_groups.{name}.weights.{key} is {weights.get(key)!r}; "
-                                      f"only W8A16 ({key} = {value!r}) is supported")
+                                f"only W8A16 ({key} = {value!r}) is supported")
         for key in ("input_activations", "output_activations"):
             if group.get(key):
                 raise LoadError(f"{where}.config_groups.{name}.{key} is set: activation quantization "
-                                      "is not supported (weight-only W8A16 is)")
+                                "is not supported (weight-only W8A16 is)")
     return qc["format"]
 
 
@@ -90,7 +90,7 @@ def read_int8(read, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.n
         q = unpack_int8(np.asarray(packed), shape[1])
     if q.shape != tuple(shape) or scale.shape != (shape[0],):
         raise LoadError(f"tensor {base}: int8 {list(q.shape)} with {scale.size} scales, config expects "
-                              f"{list(shape)} with one scale per output channel")
+                        f"{list(shape)} with one scale per output channel")
     return q, scale
 
 
