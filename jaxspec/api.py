@@ -293,7 +293,8 @@ class LLM:
         dtype = model_dtype(cfg)
         owned = model is None
         if owned:
-            model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
+            model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress,
+                               gguf_blocks=cfg.engine.quantize == "gguf")
         self.engine = Engine.over(assemble(cfg, model, mesh=mesh, progress=progress, benchmark=benchmark,
                                            corpus_label=corpus_label))
         if owned:  # the engine holds its own runtime layout; free the loader's copy

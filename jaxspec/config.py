@@ -55,7 +55,8 @@ class EngineSection:
     logprobs_mode: str = "raw"
     # Target weights: "none" (as loaded) or "int8": weight-only int8 with a float32 scale per output
     # column, quantized at load, every matrix and the LM head (the embedding lookup stays float32);
-    # the native CPU kernels widen them in registers (jaxspec/native/packed_matmul.py).
+    # the native CPU kernels widen them in registers (jaxspec/native/packed_matmul.py); or "gguf":
+    # a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks, native CPU kernels only (native/block_matmul.py).
     quantize: str = "none"
     # Full KV pages (the target's and the drafter's) shared between requests by the hash of their
     # tokens, kept after a request ends and evicted LRU when the pool runs dry (jaxspec/cache/prefix.py).
@@ -207,7 +208,7 @@ class Config:
             (e.layer_loop in ("auto", "scan", "unrolled"), "engine.layer_loop must be auto, scan or unrolled"),
             (e.cpu_kernels in ("auto", "native", "xla"), "engine.cpu_kernels must be auto, native or xla"),
             (e.logprobs_mode in ("raw", "processed"), "engine.logprobs_mode must be raw or processed"),
-            (e.quantize in ("none", "int8"), "engine.quantize must be none or int8"),
+            (e.quantize in ("none", "int8", "gguf"), "engine.quantize must be none, int8 or gguf"),
             # Page 0 is the null page: one page leaves nothing to allocate.
             (e.num_pages == 0 or e.num_pages >= 2, "engine.num_pages must be 0 (automatic) or >= 2"),
             (e.max_batch_size >= 1, "engine.max_batch_size must be >= 1"),

@@ -166,8 +166,10 @@ def tiny_bpe_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_tiny_gguf(model, path: Path, arch: str = "llama", dtype=np.float32) -> None:
-    """What llama.cpp's convert_hf_to_gguf.py writes, unquantized.
+def write_tiny_gguf(model, path: Path, arch: str = "llama", dtype=np.float32, quant=None) -> None:
+    """What llama.cpp's convert_hf_to_gguf.py writes, unquantized, or with `quant(gguf name)` ->
+    a GGMLQuantizationType (or None: float) per matrix, quantized by gguf-py (llama.cpp's own numpy
+    quantizer), as llama-quantize would.
 
     Only its Llama converter permutes q/k rows; Qwen ones keep the HF layout.
     """
@@ -208,6 +210,10 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", dtype=np.float32) ->
             data = gguf_convert.permute_rows(data, cfg.num_attention_heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
             data = gguf_convert.permute_rows(data, cfg.num_key_value_heads)
+        qtype = quant(gname) if quant is not None and data.ndim > 1 else None
+        if qtype is not None:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+            continue
         # llama.cpp keeps 1-D tensors (norms) in F32 whatever the file type.
         w.add_tensor(gname, np.ascontiguousarray(data.astype(dtype if data.ndim > 1 else np.float32)))
     w.write_header_to_file()

@@ -197,19 +197,31 @@ def test_chi_square_detects_a_repeat_bias(tiny):
     assert chi_square_p(joint_counts(biased), exact_joint(hf, 1.0, 1.0)) < 1e-6
 
 
-def test_int8_loop_samples_the_dequantized_target(tiny):
-    """On weight-only int8 (issue 29) the loop samples the quantized target exactly: n-gram rejection
-    sampling's first three tokens against the joint of Hugging Face running the dequantized weights.
-    (On this 8-token model int8 moves the joint less than the test resolves, so this holds the loop's
-    losslessness on int8 kernels, not the quantization error; test_quantize.py tests the kernels.)"""
+@pytest.mark.parametrize("quantize", ["int8", "gguf"])
+def test_quantized_loop_samples_the_dequantized_target(tiny, quantize):
+    """On weight-only int8 and on GGUF Q4_1 blocks (issue 29) the loop samples the quantized target
+    exactly: n-gram rejection sampling's first three tokens against the joint of Hugging Face running
+    the dequantized weights. (On this 8-token model int8 moves the joint less than the test resolves,
+    so this holds the loop's losslessness on the quantized kernels, not the quantization error (Q4_1
+    too: p = 0.17 against the float model's joint);
+    test_quantize.py and test_gguf_blocks.py test the kernels.)"""
     from tests.test_quantize import dequantized_hf
 
     model, hf = tiny
+    params = model.params
+    if quantize == "gguf":
+        from tests.test_gguf_blocks import HF_LINEARS, quantized_reference
+
+        blocks, ref = quantized_reference(hf, {**{k: "Q4_1" for k in HF_LINEARS}, "lm_head": "Q8_0"})
+        params = {**params, "gguf": blocks}
+    else:
+        ref = dequantized_hf(hf)
     ecfg = EngineSection(max_batch_size=BATCH, batch_buckets=(BATCH,), max_context=32, length_buckets=(8, 16, 32),
-                         page_size=4, quantize="int8")
-    engine = Engine(model.params, model.config, ecfg, progress=False, spec=SPECS["ngram-chain"])
+                         page_size=4, quantize=quantize)
+    engine = Engine(params, model.config, ecfg, progress=False, spec=SPECS["ngram-chain"])
     toks, accepts = first_three(engine, 1.0, 1.0)
     assert np.sum(accepts > 1) > 300
     counts = joint_counts(toks)
-    assert engine.runner.params["head"].scales is not None  # the int8 kernels ran
-    assert chi_square_p(counts, exact_joint(dequantized_hf(hf), 1.0, 1.0)) > 1e-4
+    head = engine.runner.params["head"]
+    assert (head.scales is not None) if quantize == "int8" else head.bits == 8  # the quantized kernels ran
+    assert chi_square_p(counts, exact_joint(ref, 1.0, 1.0)) > 1e-4

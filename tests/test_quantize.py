@@ -115,7 +115,7 @@ def test_int8_on_xla_ops_equals_hf_on_dequantized_weights(tiny_dirs):
     prompt = [5, 17, 33, 9, 100, 42, 7]
     out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
     assert_greedy_equal(ref, prompt, out, hf_greedy(ref, prompt, 16))
-    with pytest.raises(ValueError, match="engine.quantize must be none or int8"):
+    with pytest.raises(ValueError, match="engine.quantize must be none, int8 or gguf"):
         LLM(str(path), quantize="int4", progress=False, **ENGINE)
 
 

@@ -138,3 +138,35 @@ def test_fast_tokenizer_path_equals_autotokenizer(smollm):
             == auto.apply_chat_template(m, add_generation_prompt=True, tokenize=False))
     assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == (
         auto.eos_token_id, auto.bos_token_id, auto.all_special_ids)
+
+
+def test_q4_1_blocks_match_hf(smollm, smollm_hf, prompts, hf_refs):
+    """engine.quantize = "gguf" (issue 29): the embedded model on its own Q4_1 / Q8_0 blocks equals
+    Hugging Face on the dequantized weights (which is what smollm_hf loads), tie-aware, on the chat
+    prompts and two held-out ShareGPT prompts; the shipped FROZEN_KV_MTP tree on top equals it too."""
+    from jaxspec.models.gguf_convert import read_blocks
+    from jaxspec.models.loading import default_gguf_path
+    from jaxspec.train.sharegpt import sharegpt_heldout_prompts
+
+    params = {**smollm.params, "gguf": read_blocks(default_gguf_path())}
+    ecfg = dataclasses.replace(ENGINE, quantize="gguf")
+    engine = Engine(params, smollm.config, ecfg, progress=False)
+    assert engine.runner.params["layers"][0]["wqkv"].bits == 4 and engine.runner.params["head"].bits == 8
+    heldout = [p for p in chat_ids(smollm.tokenizer, sharegpt_heldout_prompts(8)) if len(p) <= 160][:2]
+    assert len(heldout) == 2
+    refs = list(hf_refs) + [hf_greedy(smollm_hf, p, 32) for p in heldout]
+    reqs = [Request(p, SamplingParams(max_tokens=NEW if i < len(prompts) else 32))
+            for i, p in enumerate(list(prompts) + heldout)]
+    results = engine.generate(reqs)
+    for req, res, ref in zip(reqs, results, refs):
+        assert_greedy_equal(smollm_hf, req.prompt_ids, res.output_ids, ref)
+    from jaxspec.speculative.drafters import validate_spec_config
+    from jaxspec.speculative.drafters.load import load_draft
+
+    spec = validate_spec_config(SpecSection(algorithm="frozen_kv_mtp", draft_model=str(shipped_head("frozen_kv_mtp")),
+                                            topk=2, num_steps=3, num_draft_tokens=6))
+    tree = Engine(params, smollm.config, ecfg, progress=False, spec=spec,
+                  draft=load_draft(spec, smollm, jnp.float32, progress=False))
+    out = tree.generate(reqs[:3])
+    assert [r.output_ids for r in out] == [r.output_ids for r in results[:3]]
+    assert max(max(r.accept_lengths) for r in out) > 1

@@ -296,6 +296,54 @@ def llama_cpp_decode_rates(llama_cpp, gguf_path, prompts: list[list[int]], max_n
             close()
 
 
+def llama_cpp_batched_rate(llama_cpp, gguf_path, prompts: list[list[int]], max_new_tokens: int,
+                           threads: int) -> float:
+    """llama.cpp greedy decode tokens/s over len(prompts) parallel sequences in one context (its
+    `batched` example: one llama_decode per step carries a token of every sequence), EOS ignored,
+    timed after the prefill and the first token, as `llama_cpp_decode_rates`."""
+    n_seq = len(prompts)
+    lc = llama_cpp
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(gguf_path).encode(), lc.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    params = lc.llama_context_default_params()
+    params.n_ctx = n_seq * (max(map(len, prompts)) + max_new_tokens + 1)
+    params.n_batch = params.n_ubatch = max(sum(map(len, prompts)), n_seq)
+    params.n_seq_max = n_seq
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, params)
+    if not ctx:
+        lc.llama_model_free(model)
+        raise RuntimeError(f"llama.cpp could not create a context for {n_seq} sequences")
+    batch = lc.llama_batch_init(params.n_batch, 0, 1)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    try:
+        def decode(items):  # [(token, pos, seq, wants logits)] -> the greedy next token of each that wants them
+            batch.n_tokens = len(items)
+            for i, (tok, pos, seq, out) in enumerate(items):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, int(out)
+                batch.seq_id[i][0] = seq
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            return [int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), (vocab,))))
+                    for i, item in enumerate(items) if item[3]]
+
+        # 1. Prefill every prompt in one batch; the logits of each prompt's last token.
+        last = decode([(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)])
+        pos = [len(p) for p in prompts]
+        # 2. One token of every sequence per step.
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            last = decode([(last[s], pos[s], s, True) for s in range(n_seq)])
+            pos = [x + 1 for x in pos]
+        return n_seq * max_new_tokens / (time.perf_counter() - t0)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+
+
 def time_split(engine, reqs) -> dict | None:
     """{draft, verify, other}: fractions of one batch rerun with the phases jitted apart (the fused
     loop has no per-phase clock). Once per point: the phase functions compile on every call."""

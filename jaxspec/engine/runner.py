@@ -119,8 +119,12 @@ class ModelRunner:
                                  quantize=engine_cfg.quantize)
         self.params = shd.shard_params(runtime, cfg, mesh)
         if engine_cfg.quantize != "none" and progress:  # what runs, said once at start-up
-            print(f"jaxspec: target weights {engine_cfg.quantize} (weight-only, a float32 scale per output column, "
-                  f"{'native CPU kernels' if self.native_kernels else 'XLA dot'}): "
+            kinds: dict[str, list[str]] = {}
+            for key, kind in params.get("gguf", {}).get("types", {}).items():
+                kinds.setdefault(kind, []).append("LM head" if key in ("embed", "lm_head") else key)
+            what = ("the GGUF's own blocks (" + ", ".join(f"{k} {'/'.join(v)}" for k, v in kinds.items()) + ")"
+                    if engine_cfg.quantize == "gguf" else "int8 (weight-only, a float32 scale per output column)")
+            print(f"jaxspec: target weights {what}, {'native CPU kernels' if self.native_kernels else 'XLA dot'}: "
                   f"{sum(x.nbytes for x in jax.tree.leaves(runtime)) / 2**20:.0f} MiB", file=sys.stderr)
         self.cfg, self.ecfg = cfg, engine_cfg
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)

@@ -186,6 +186,71 @@ def dequantize_tensor(tensor: Any, arch: str, cfg: dict[str, Any]) -> np.ndarray
     return np.ascontiguousarray(w)
 
 
+# GGUF tensor (in a block) -> the runtime matrix it becomes (models.llama.MATRICES).
+_MATRIX_KEYS = {"attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv", "attn_output.weight": "wo",
+                "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down"}
+
+
+def read_blocks(gguf_path: str | Path) -> dict[str, Any]:
+    """A GGUF's matrices as their own blocks, for `engine.quantize = "gguf"` (params["gguf"]).
+
+    {"layers": {key: (q [L, N, K], d [L, N, K/32], m or None)}, "lm_head" or "embed": (q, d, m)}
+    and "types" {key: "Q4_1", ...}, in Hugging Face's [out, in] row order (llama's q/k rows un-permuted, the same bits), decoded
+    by `native.block_matmul.decode_blocks`. Every layer matrix must be Q4_0, Q4_1 or Q8_0, one
+    type per matrix across layers; the LM head may be any type (float types stay float)."""
+    from gguf import GGUFReader
+
+    from jaxspec.native.block_matmul import BLOCK_BYTES, decode_blocks
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (ValueError, OSError) as e:
+        raise LoadError(f"{gguf_path} is not a readable GGUF file: {e}") from None
+    meta = read_metadata(reader)
+    cfg = hf_config_from_gguf(meta, {t.name for t in reader.tensors})
+    permuted = meta["general.architecture"] in _PERMUTED_QK_ARCHS
+    heads = {"wq": cfg["num_attention_heads"], "wk": cfg["num_key_value_heads"]}
+    # The LM head: output.weight, else the tied embedding (which is then read as blocks too).
+    head_name = "output.weight" if any(t.name == "output.weight" for t in reader.tensors) else "token_embd.weight"
+    # 1. Which tensors, and their types.
+    found: dict[str, list] = {}
+    out: dict[str, Any] = {"layers": {}}
+    for t in reader.tensors:
+        kind = _BLOCK_RE.match(t.name)
+        key = _MATRIX_KEYS.get(kind.group(2)) if kind else (
+            {"output.weight": "lm_head", "token_embd.weight": "embed"}[t.name] if t.name == head_name else None)
+        if key is None:
+            continue
+        ttype = t.tensor_type.name
+        if ttype not in BLOCK_BYTES:
+            if kind:
+                raise LoadError(f"engine.quantize = gguf computes on {', '.join(sorted(BLOCK_BYTES))} blocks; "
+                                f"{gguf_path} stores {t.name} as {ttype} (use --quantize int8 or none)")
+            continue  # a float (or other) LM head keeps the float path
+        found.setdefault(key, []).append((int(kind.group(1)) if kind else 0, ttype, t))
+    # 2. Decode, un-permute, stack.
+    for key, items in found.items():
+        kinds = {ttype for _, ttype, _ in items}
+        if len(kinds) > 1:
+            raise LoadError(f"engine.quantize = gguf needs one block type per matrix; {gguf_path} stores {key} "
+                            f"as {sorted(kinds)} in different layers (use --quantize int8 or none)")
+        parts = []
+        for _, ttype, t in sorted(items, key=lambda x: x[0]):
+            q, d, m = decode_blocks(np.asarray(t.data).reshape(int(t.shape[1]), -1), ttype)
+            if permuted and key in heads:
+                q, d, m = (None if a is None else unpermute_rows(a, heads[key]) for a in (q, d, m))
+            parts.append((q, d, m))
+        stacked = tuple(None if a[0] is None else np.stack(a) for a in zip(*parts))
+        if key in ("lm_head", "embed"):
+            out[key] = tuple(None if a is None else a[0] for a in stacked)
+        elif len(items) != cfg["num_hidden_layers"]:
+            raise LoadError(f"{gguf_path}: {key} is in {len(items)} of {cfg['num_hidden_layers']} layers")
+        else:
+            out["layers"][key] = stacked
+    out["types"] = {key: items[0][1] for key, items in found.items()}  # what runs, for the start-up line
+    return out
+
+
 # --------------------------------------------------------------------------- #
 # Tokenizer
 # --------------------------------------------------------------------------- #

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 
 from jaxspec.cache.attention import attention_with_block_ref, paged_attention
 from jaxspec.cache.paged import KVCache, slot_to_page, write_layer_kv
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import LoadError, ModelConfig
 from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
+from jaxspec.native.block_matmul import BlockWeight
 from jaxspec.native.packed_matmul import PackedWeight
 from jaxspec.native.paged_attention import MAX_QUERIES, paged_attention_native
 
@@ -55,7 +56,7 @@ def _attention_block(cfg, lp, x, cos, sin, cache_k, cache_v, layer, pages, offse
     page_table, q_start, kv_len, tree_mask = attn_args
     if write_cache:
         cache_k, cache_v = write_layer_kv(cache_k, cache_v, layer, pages, offsets, k, v)
-    if isinstance(lp["wo"], PackedWeight) and t <= MAX_QUERIES:
+    if isinstance(lp["wo"], (PackedWeight, BlockWeight)) and t <= MAX_QUERIES:
         # Native CPU params: attention reads the whole cache in place (no per-layer
         # slice copy); without a cache write it reads the block's K/V directly.
         block = {} if write_cache else dict(k_block=k, v_block=v)
@@ -206,20 +207,46 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
       scale per output column (`native.packed_matmul.quantize_int8`): packed int8 tiles with
       `native`, else `layers.Int8Weight` for XLA's dot. A W8A16 checkpoint's own int8 weights
       (`params["int8"]`, `models.compressed`) are used as they are, not quantized again.
+    * With `quantize = "gguf"` (native only) every matrix, and the LM head when the GGUF stores it
+      in blocks, computes on the GGUF's own Q4_0 / Q4_1 / Q8_0 blocks (`params["gguf"]`, from
+      `load_model(..., gguf_blocks=True)`; `native.block_matmul`). The embedding lookup stays float32.
     """
     if "head" in params:
         return params
+    if quantize not in ("none", "int8", "gguf"):
+        raise ValueError(f"quantize must be none, int8 or gguf, got {quantize!r}")
+    if quantize == "gguf" and not native:
+        raise LoadError("engine.quantize = gguf runs on the native CPU kernels only (float32, one CPU device, "
+                         "engine.cpu_kernels auto or native); use int8 elsewhere")
+    if quantize == "gguf" and "gguf" not in params:
+        raise LoadError("engine.quantize = gguf computes on a GGUF file's own blocks, and this model was not "
+                         "loaded from a GGUF (use int8)")
+    if quantize == "gguf":  # the block type names are for people, not for the program
+        params = {**params, "gguf": {k: v for k, v in params["gguf"].items() if k != "types"}}
     unstack = default_unstack() if unstack is None else unstack
     # One jitted program, not ~600 eager ops (swaps, pads, 30 x 9 layer slices): 4.5 s of every
     # CLI start went to dispatching them; the program comes from the persistent compilation cache.
-    return _prepare(params, cfg.tie_word_embeddings, cfg.num_layers, unstack, native, quantize == "int8")
+    return _prepare(params, cfg.tie_word_embeddings, cfg.num_layers, unstack, native, quantize)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bool, int8: bool) -> dict:
+def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bool, quantize: str) -> dict:
+    int8 = quantize == "int8"
     layers = {k: (jnp.swapaxes(v, -1, -2) if k in MATRICES else v) for k, v in params["layers"].items()}
     head = params["embed"] if tie else params["lm_head"]
     out = {"embed": params["embed"], "final_norm": params["final_norm"], "head": jnp.asarray(head.T)}
+    fused = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+    if quantize == "gguf":  # (q, d, m) [L, N, ...] in row order: fused by concatenating rows, then tiled
+        from jaxspec.native.block_matmul import pack_blocks
+
+        blocks = dict(params["gguf"]["layers"])
+        for name, parts in fused.items():
+            fuse = [blocks.pop(k) for k in parts]
+            blocks[name] = tuple(None if x[0] is None else jnp.concatenate(x, axis=-2) for x in zip(*fuse))
+        layers = {k: v for k, v in layers.items() if k not in MATRICES}
+        layers.update({k: pack_blocks(*v) for k, v in blocks.items()})
+        own = params["gguf"].get("embed" if tie else "lm_head")
+        out["head"] = pack_blocks(*own) if own is not None else out["head"]
     if int8:  # (q [..., in, out], scale [..., out]) per matrix: the checkpoint's own, else quantized here
         from jaxspec.native.packed_matmul import quantize_int8
 
@@ -227,15 +254,17 @@ def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bo
         own = lambda k: (jnp.swapaxes(pre[k][0], -1, -2), pre[k][1])  # noqa: E731
         layers = {k: (own(k) if k in pre else quantize_int8(v)) if k in MATRICES else v for k, v in layers.items()}
         out["head"] = own("lm_head") if "lm_head" in pre and not tie else quantize_int8(out["head"])
-    if native:
+    if native and quantize != "gguf":
         from jaxspec.native.packed_matmul import pack_weight
 
-        fused = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
         for name, parts in fused.items():  # int8: per-column scales concatenate with their columns
             fuse = [layers.pop(k) for k in parts]
             layers[name] = (tuple(jnp.concatenate(x, axis=-1) for x in zip(*fuse)) if int8
                             else jnp.concatenate(fuse, axis=-1))
         layers = {k: (pack_weight(v, int8) if k in MATRICES + tuple(fused) else v) for k, v in layers.items()}
+    if native and isinstance(out["head"], (jax.Array, tuple)):  # not GGUF blocks already
+        from jaxspec.native.packed_matmul import pack_weight
+
         out["head"] = pack_weight(out["head"], int8)
     elif int8:
         from jaxspec.models.layers import Int8Weight

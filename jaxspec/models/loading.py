@@ -315,8 +315,10 @@ def load_model(
     dtype: Any = jnp.float32,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    gguf_blocks: bool = False,
 ) -> LoadedModel:
-    """Load "default", a HF directory or a `.gguf` file into a LoadedModel."""
+    """Load "default", a HF directory or a `.gguf` file into a LoadedModel. `gguf_blocks`: a GGUF's
+    matrices also as their own blocks, params["gguf"], for `engine.quantize = "gguf"`."""
     path = default_gguf_path() if spec == "default" else Path(spec).expanduser()
     if not path.exists():
         raise LoadError(f"no such model file or directory: {path}")
@@ -325,7 +327,12 @@ def load_model(
     if path.suffix.lower() != ".gguf":
         raise LoadError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face directory")
     hf_dir = cached_gguf_dir(path, cache_dir, progress)
-    return load_hf_dir(hf_dir, dtype, progress)
+    model = load_hf_dir(hf_dir, dtype, progress)
+    if gguf_blocks:
+        from jaxspec.models import gguf_convert
+
+        model.params["gguf"] = gguf_convert.read_blocks(path)
+    return model
 
 
 # The request fields a model's generation_config.json may default (vLLM's `--generation-config

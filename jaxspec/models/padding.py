@@ -101,8 +101,8 @@ def pad_params(params: dict, cfg: ModelConfig, padded: ModelConfig) -> dict:
         if name in layers:
             layers[name] = _pad_axis(layers[name], layers[name].ndim + axis, new)
     # A W8A16 checkpoint's own int8 matrices (models.compressed) are not padded: quantize = "int8"
-    # then re-quantizes the padded float ones.
-    return {**{k: v for k, v in params.items() if k != "int8"}, "layers": layers}
+    # then re-quantizes the padded float ones. GGUF blocks (quantize = "gguf") run unsharded only.
+    return {**{k: v for k, v in params.items() if k not in ("int8", "gguf")}, "layers": layers}
 
 
 def pad_for_tp(params: dict, cfg: ModelConfig, tp: int) -> tuple[dict, ModelConfig, HeadPadding]:

@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import jaxlib
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "packed_matmul.cc", HERE / "paged_attention.cc")
+SOURCES = (HERE / "packed_matmul.cc", HERE / "block_matmul.cc", HERE / "paged_attention.cc")
 HEADERS = (HERE / "parallel.h", HERE / "tile_gemm.h")
 # custom-call target -> exported handler symbol
 TARGETS = {"jaxspec_packed_matmul": "JaxspecPackedMatmul", "jaxspec_packed_matmul_i8": "JaxspecPackedMatmulI8",
+           "jaxspec_block_matmul_q4": "JaxspecBlockMatmulQ4", "jaxspec_block_matmul_q8": "JaxspecBlockMatmulQ8",
            "jaxspec_paged_attention": "JaxspecPagedAttention"}
 
 

@@ -184,7 +184,8 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     dtype = model_dtype(cfg)
     enable_compilation_cache(cfg)
     if model is None:
-        model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress)
+        model = load_model(cfg.model.path, dtype=dtype, cache_dir=cfg.model.cache_dir or None, progress=progress,
+                               gguf_blocks=cfg.engine.quantize == "gguf")
     s = cfg.serve
     # Split pages: a page pool per data shard; the scheduler pins each sequence to one
     # (`ModelRunner(split_pages=...)`, `Scheduler`). Off: one pool, replicated over "data".
