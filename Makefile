@@ -5,6 +5,9 @@ STAMP := $(VENV)/.setup-stamp
 
 .PHONY: setup demo test bench serve clean
 
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CPP_ENV := $(if $(filter x86_64,$(shell uname -m)),CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'")
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -28,7 +31,9 @@ test: setup
 	$(PY) -m pytest -q -x --durations=15
 
 bench: setup
-	$(PIP) install -q llama-cpp-python || true  # the llama.cpp peer (builds from source); the bench skips it if absent
+	# The llama.cpp peer (builds from source; the bench skips it if absent). x86: without AMX tiles,
+	# whose Q4_1 path segfaulted in ggml_backend_amx_mul_mat on these machines (2026-12-04).
+	$(LLAMA_CPP_ENV) $(PIP) install -q llama-cpp-python || true
 	$(PY) -m jaxspec.bench decode
 	$(PY) -m jaxspec.bench spec
 	$(PY) -m jaxspec.bench serve

@@ -264,16 +264,22 @@ def llama_cpp_f32_gguf(llama_cpp, src, cache_dir=None, threads: int = 0):
 
 
 def llama_cpp_decode_rates(llama_cpp, gguf_path, prompts: list[list[int]], max_new_tokens: int, reps: int,
-                           threads: int, n_ctx: int | None = None) -> list[float]:
+                           threads: int, n_ctx: int | None = None, prompt_lookup: int = 0) -> list[float]:
     """llama.cpp greedy decode tokens/s per prompt at batch 1, EOS ignored, measured like
     jaxspec's: `max_new_tokens` over the time after prefill and the first token (the
     max_new_tokens - 1 single-token forwards). The same token ids as jaxspec's prompts
     (the GGUF's vocabulary is the one jaxspec's tokenizer was converted from). One
-    untimed warm-up run first; `reps` passes over the prompts."""
+    untimed warm-up run first; `reps` passes over the prompts. `prompt_lookup` > 0: llama-cpp-python's
+    own speculative mode, prompt lookup drafting that many tokens (LlamaPromptLookupDecoding)."""
     if n_ctx is None:  # room for the longest prompt and every new token, in whole 256s (jaxspec runs 512)
         n_ctx = max(512, -(-(max(map(len, prompts)) + max_new_tokens + 1) // 256) * 256)
+    draft = None
+    if prompt_lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup)
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+                          n_threads_batch=threads, verbose=False, draft_model=draft)
     greedy = dict(top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
 
     def one(prompt: list[int]) -> float:

@@ -30,6 +30,7 @@ from jaxspec.bench.common import (
     gguf_weight_bytes,
     hf_generate_tps,
     import_llama_cpp,
+    llama_cpp_batched_rate,
     llama_cpp_decode_rates,
     llama_cpp_f32_gguf,
     measure_bandwidths,
@@ -39,7 +40,8 @@ from jaxspec.bench.common import (
 
 
 def param_bytes(params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    """The float32 model's bytes (a GGUF's own blocks, params["gguf"], are a second copy, not counted)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves({k: v for k, v in params.items() if k != "gguf"}))
 
 
 # Sampled rows of the table: what chat traffic sends (the README's example is T 0.8, top-p 0.9).
@@ -78,9 +80,10 @@ def gguf_source(model_spec: str) -> Path | None:
 
 
 def llama_cpp_rows(model_spec: str, prompts, n: int, reps: int, threads: int, jaxspec_tps: float,
-                   bandwidth: float) -> tuple[list[list], list[str]]:
+                   bandwidth: float, batch_prompts=()) -> tuple[list[list], list[str]]:
     """Rows of the llama.cpp table (shipped quantization, then F32) and lines to print
-    instead of or beside it (not installed, not a GGUF, conversion failed)."""
+    instead of or beside it (not installed, not a GGUF, conversion failed). The shipped file's
+    row also gets llama.cpp's tokens/s over `batch_prompts` as parallel sequences (NaN: not run)."""
     llama_cpp, missing = import_llama_cpp()
     if llama_cpp is None:
         return [], [missing]
@@ -101,10 +104,17 @@ def llama_cpp_rows(model_spec: str, prompts, n: int, reps: int, threads: int, ja
         except Exception as e:  # noqa: BLE001 - a peer that fails costs its row, not the benchmark
             notes.append(f"llama.cpp peer: no {label} row, decoding {path.name} failed: {type(e).__name__}: {e}")
             continue
+        batched = float("nan")
+        if batch_prompts and path == src:
+            try:
+                batched = median([llama_cpp_batched_rate(llama_cpp, path, list(batch_prompts), n, threads)
+                                  for _ in range(reps)])
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"llama.cpp peer: no batch-{len(batch_prompts)} figure: {type(e).__name__}: {e}")
         wbytes = gguf_weight_bytes(path)
         roof = bandwidth / wbytes
         rows.append([label, f"{wbytes / 2**20:.0f}", tps, jaxspec_tps, jaxspec_tps / tps, roof,
-                     f"{100 * tps / roof:.0f}%"])
+                     f"{100 * tps / roof:.0f}%", batched])
     return rows, notes
 
 
@@ -153,7 +163,8 @@ def print_llama_cpp(rows: list[list], notes: list[str], n: int) -> None:
         print(f"\nllama.cpp (llama-cpp-python), the same GGUF, batch 1, greedy, {n} new tokens, decode timed "
               f"after prefill; jaxspec decodes it dequantized to float32:")
         print_table(["llama.cpp weights", "GGUF tensors MiB", "llama.cpp tok/s", "jaxspec f32 tok/s",
-                     "jaxspec / llama.cpp", "llama.cpp roofline tok/s", "llama.cpp of roofline"], rows)
+                     "jaxspec / llama.cpp", "llama.cpp roofline tok/s", "llama.cpp of roofline",
+                     "llama.cpp batch 8 tok/s"], rows)
     for i, line in enumerate(notes):
         print(f"\n{line}" if i == 0 and not rows else line)
 
@@ -168,16 +179,23 @@ def main(argv=None) -> int:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp peer")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: every core this process may use)")
     p.add_argument("--no-sampled", action="store_true", help="skip the sampled rows (temperature, top-k, top-p)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="int8",
-                   help="also time the target quantized this way (weight-only int8; none: skip), side by side")
+    p.add_argument("--quantize", default="int8,gguf",
+                   help="also time the target quantized these ways, side by side: a comma list of int8 "
+                        "(weight-only, quantized at load) and gguf (a GGUF model's own blocks); none: skip")
     args = p.parse_args(argv)
+    quants = [q for q in args.quantize.split(",") if q and q != "none"]
+    if any(q not in ("int8", "gguf") for q in quants):
+        p.error(f"--quantize takes a comma list of int8 and gguf, or none; got {args.quantize!r}")
+    if "gguf" in quants and gguf_source(args.model) is None:
+        print(f"--quantize gguf: skipped, --model {args.model} is not a GGUF file")
+        quants.remove("gguf")
     load = load_note()
 
     from jaxspec.config import EngineSection
     from jaxspec.engine import Engine
     from jaxspec.models.loading import load_model
 
-    model = load_model(args.model, dtype=jnp.float32)
+    model = load_model(args.model, dtype=jnp.float32, gguf_blocks="gguf" in quants)
     prompts = chat_ids(model.tokenizer, CHAT_PROMPTS)
     engine = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512), progress=True)
     # The same engine on XLA's own CPU ops, to show what the native kernels buy (CPU only).
@@ -185,10 +203,8 @@ def main(argv=None) -> int:
     if jax.default_backend() == "cpu" and engine.runner.native_kernels:
         xla_engine = Engine(model.params, model.config,
                             EngineSection(max_batch_size=8, max_context=512, cpu_kernels="xla"), progress=True)
-    quant = None
-    if args.quantize != "none" and engine.runner.native_kernels:
-        quant = Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512,
-                                                                 quantize=args.quantize), progress=True)
+    quant = {q: Engine(model.params, model.config, EngineSection(max_batch_size=8, max_context=512, quantize=q),
+                       progress=True) for q in quants if engine.runner.native_kernels}
     weight_bytes = param_bytes(model.params)
     bandwidth = measure_bandwidths()
     bw = bandwidth.roofline
@@ -207,14 +223,15 @@ def main(argv=None) -> int:
     if xla_engine is not None:
         x1, xs1 = jaxspec_tps(xla_engine, prompts[: args.batch_one_prompts], n, 1, args.reps)
         x8, xs8 = jaxspec_tps(xla_engine, prompts[:8], n, 8, args.reps)
-    quant_rows = []
-    if quant is not None:
-        q1, qs1 = jaxspec_tps(quant, prompts[: args.batch_one_prompts], n, 1, args.reps)
-        q8, qs8 = jaxspec_tps(quant, prompts[:8], n, 8, args.reps)
-        share, same = agreement(greedy_ids(engine, prompts[:8], n), greedy_ids(quant, prompts[:8], n))
-        qroof = bw / streamed_bytes(quant.runner.params)
-        quant_rows = [[1, q1, q1 / j1, qs1, qroof, f"{100 * q1 / qroof:.0f}%"],
-                      [8, q8, q8 / j8, qs8, 8 * qroof, f"{100 * q8 / (8 * qroof):.0f}%"]]
+    quant_rows, agree = [], {}
+    for q, qe in quant.items():
+        q1, qs1 = jaxspec_tps(qe, prompts[: args.batch_one_prompts], n, 1, args.reps)
+        q8, qs8 = jaxspec_tps(qe, prompts[:8], n, 8, args.reps)
+        agree[q] = agreement(greedy_ids(engine, prompts[:8], n), greedy_ids(qe, prompts[:8], n))
+        mib = streamed_bytes(qe.runner.params) / 2**20
+        qroof = bw / (mib * 2**20)
+        quant_rows += [[q, f"{mib:.0f}", 1, q1, q1 / j1, qs1, qroof, f"{100 * q1 / qroof:.0f}%"],
+                       [q, f"{mib:.0f}", 8, q8, q8 / j8, qs8, 8 * qroof, f"{100 * q8 / (8 * qroof):.0f}%"]]
     h1 = h8 = float("nan")
     if not args.no_hf:
         import torch
@@ -228,7 +245,7 @@ def main(argv=None) -> int:
         from jaxspec.native.bandwidth import default_threads
 
         llama_rows, llama_notes = llama_cpp_rows(args.model, prompts[: args.batch_one_prompts], n, args.reps,
-                                                 args.threads or default_threads(), j1, bw)
+                                                 args.threads or default_threads(), j1, bw, prompts[:8])
 
     print(f"\njaxspec decode benchmark: {model.path.name}, float32, {n} new tokens, EOS ignored")
     print(f"machine: {platform.processor() or platform.machine()}, backend {jax.default_backend()}, "
@@ -250,14 +267,19 @@ def main(argv=None) -> int:
         print_table(["batch", "tok/s", "ms per step", "native kernels / XLA ops"],
                     [[1, x1, xs1, j1 / x1], [8, x8, xs8, j8 / x8]])
     if quant_rows:
-        print(f"\nthe target in weight-only {args.quantize} (engine.quantize; {streamed_bytes(quant.runner.params) / 2**20:.0f} "
-              f"MiB read per batch-1 step), side by side with float32:")
-        print_table(["batch", "tok/s", "vs float32", "ms per step", "roofline tok/s (quantized bytes)", "of roofline"],
-                    quant_rows)
+        print("\nthe target quantized (engine.quantize: int8 quantized at load, gguf the GGUF's own blocks), side "
+              "by side with float32; MiB read per batch-1 step:")
+        print_table(["weights", "MiB", "batch", "tok/s", "vs float32", "ms per step", "roofline tok/s (its bytes)",
+                     "of roofline"], quant_rows)
         for row in llama_rows:
-            print(f"{args.quantize} batch 1 / llama.cpp {row[0]}: {quant_rows[0][1] / row[2]:.2f}x")
-        print(f"greedy agreement with float32 over {min(8, len(prompts))} chat prompts x {n} tokens: {100 * share:.0f}% "
-              f"of each sequence before its first differing token (mean); {same} sequences identical")
+            for q, q1, q8 in ((r[0], r[3], s[3]) for r, s in zip(quant_rows[::2], quant_rows[1::2])):
+                line = f"{q} / llama.cpp {row[0]}: batch 1 {q1 / row[2]:.2f}x"
+                if row[7] == row[7]:
+                    line += f", batch 8 {q8 / row[7]:.2f}x (llama.cpp: 8 parallel sequences)"
+                print(line)
+        for q, (share, same) in agree.items():
+            print(f"{q}: greedy agreement with float32 over {min(8, len(prompts))} chat prompts x {n} tokens: "
+                  f"{100 * share:.0f}% of each sequence before its first differing token (mean); {same} identical")
     print_llama_cpp(llama_rows, llama_notes, n)
     ratio = lambda a, b: "n/a" if a != a or b != b else f"{a / b:.2f}x"  # noqa: E731 (NaN: not run)
     print(f"\nbatch-8 / batch-1 throughput: jaxspec {j8 / j1:.2f}x, jaxspec on XLA ops {ratio(x8, x1)}, "

@@ -24,15 +24,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.common import chat_ids, hf_generate_rates, measure_read_bandwidth, median, print_table, timed
+from jaxspec.bench.common import (chat_ids, hf_generate_rates, llama_cpp_decode_rates, measure_read_bandwidth, median,
+                                  print_table, timed)
 
 
-def engine_for(model, spec_kw: dict | None, draft=None, batch: int = 1):
+LLAMA_PLAIN = "llama.cpp plain"
+
+
+def llama_cpp_methods(llama_cpp, gguf, prompts, new: int) -> dict:
+    """llama.cpp on the same GGUF (as shipped) and prompts, batch 1, greedy: plain decoding and its own
+    speculative mode, prompt lookup (10 tokens, n-gram 2); per-prompt tokens/s, no tau."""
+    from jaxspec.native.bandwidth import default_threads
+
+    threads = default_threads()
+    return {f"{LLAMA_PLAIN}": Measured(llama_cpp_decode_rates(llama_cpp, gguf, prompts, new, 1, threads), float("nan")),
+            "llama.cpp prompt lookup (10)": Measured(
+                llama_cpp_decode_rates(llama_cpp, gguf, prompts, new, 1, threads, prompt_lookup=10), float("nan"))}
+
+
+def engine_for(model, spec_kw: dict | None, draft=None, batch: int = 1, quantize: str = "none"):
     from jaxspec.config import EngineSection, SpecSection
     from jaxspec.engine import Engine
 
     ecfg = EngineSection(max_batch_size=batch, max_context=1024, length_buckets=(128, 256, 512, 1024),
-                         batch_buckets=(batch,))
+                         batch_buckets=(batch,), quantize=quantize)
     spec = SpecSection(**spec_kw) if spec_kw else None
     # Fixed shapes unless a row asks for the policy ("adaptive": "on").
     policy = {"adaptive": True} if getattr(spec, "adaptive", "off") == "on" else {}
@@ -360,6 +375,10 @@ def main(argv=None) -> int:
     p.add_argument("--sampled", default="", metavar="T[,TOP_P]", help="also time plain and the shipped EAGLE-3 / "
                    "Medusa chains and trees on sampled rows (rejection verify) on MT-Bench: sampled multi-draft "
                    "trees against one-hot top-k trees (issue 30)")
+    p.add_argument("--quantize", choices=["none", "int8", "gguf"], default="none",
+                   help="target weights of the main and batch tables (engine.quantize; gguf: the GGUF's own blocks)")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip llama.cpp on the same GGUF and prompts (plain, and its prompt lookup)")
     args = p.parse_args(argv)
     sampled = parse_sampled(args.sampled) if args.sampled else None  # refused before any model loads
 
@@ -367,7 +386,7 @@ def main(argv=None) -> int:
     from jaxspec.models.loading import load_model
     from jaxspec.speculative.drafters.standalone import truncate_layers
 
-    model = load_model(args.model, dtype=jnp.float32)
+    model = load_model(args.model, dtype=jnp.float32, gguf_blocks=args.quantize == "gguf")
     n, new = args.num_prompts, args.max_new_tokens
     sets = prompt_sets(model.tokenizer, [x for x in args.sets.split(",") if x], n)
     # n-gram defaults: min match 1, a 1-gram match drafts at most 3 tokens. The
@@ -391,7 +410,7 @@ def main(argv=None) -> int:
     if any(d == "truncated" for _, d in methods.values()):
         draft = truncate_layers(model.params, model.config, args.draft_layers)
         methods = {k: (kw, draft if d == "truncated" else d) for k, (kw, d) in methods.items()}
-    engines = {name: engine_for(model, kw, d) for name, (kw, d) in methods.items()}
+    engines = {name: engine_for(model, kw, d, quantize=args.quantize) for name, (kw, d) in methods.items()}
     twins = {**(PENALTY_TWINS if args.penalties else {}), **(LOGPROB_TWINS if args.logprobs else {})}
     engines.update({f"{name} {twin}": Processed(eng, **fields) for name, eng in list(engines.items())
                     for twin, fields in twins.items()})
@@ -402,6 +421,15 @@ def main(argv=None) -> int:
 
         hf = tf.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
     roofline = measure_read_bandwidth() / param_bytes(model.params)  # batch-1 plain decode ceiling, tok/s
+    llama_cpp, gguf = None, None
+    if not args.no_llama_cpp:
+        from jaxspec.bench.common import import_llama_cpp
+        from jaxspec.bench.decode import gguf_source
+
+        gguf = gguf_source(args.model)
+        llama_cpp, missing = import_llama_cpp() if gguf is not None else (None, "--model is not a GGUF")
+        if llama_cpp is None:
+            print(f"llama.cpp peer skipped: {missing}")
 
     rows, accept_rows, copy_rates = [], [], {"plain": [], "ngram": []}
     for set_name, prompts in sets.items():
@@ -414,26 +442,31 @@ def main(argv=None) -> int:
         if hf:
             measured["HF generate"] = Measured(run_hf(hf, prompts, new), 1.0)
             measured["HF prompt lookup (10)"] = Measured(run_hf(hf, prompts, new, lookup=10), float("nan"))
+        if llama_cpp is not None:
+            measured.update(llama_cpp_methods(llama_cpp, gguf, prompts, new))
         base = measured["jaxspec plain"].rates
         hf_rates = measured["HF generate"].rates if hf else [float("nan")] * len(prompts)
+        lc_rates = measured[LLAMA_PLAIN].rates if LLAMA_PLAIN in measured else [float("nan")] * len(prompts)
         nan = [float("nan")] * len(prompts)
         ng = measured[chain_name].rates if chain_name in measured else nan
         e3 = measured[EAGLE3_REF].rates if EAGLE3_REF in measured else nan
         for name, m in measured.items():
             paired, aggregate = speedups(m.rates, base)
             rows.append([set_name, name, m.tau, median(m.rates), paired, aggregate, speedups(m.rates, ng)[0],
-                         speedups(m.rates, e3)[0], speedups(m.rates, hf_rates)[0], median(m.rates) / roofline])
+                         speedups(m.rates, e3)[0], speedups(m.rates, hf_rates)[0],
+                         speedups(m.rates, lc_rates)[0], median(m.rates) / roofline])
         if set_name.startswith("copy") and chain_name in measured:
             copy_rates["plain"] += base
             copy_rates["ngram"] += measured[chain_name].rates
 
-    print(f"\njaxspec spec benchmark: {model.path.name}, float32, batch 1, {new} new tokens, EOS ignored, "
+    weights = {"none": "float32", "int8": "weight-only int8", "gguf": "the GGUF's own blocks"}[args.quantize]
+    print(f"\njaxspec spec benchmark: {model.path.name}, {weights}, batch 1, {new} new tokens, EOS ignored, "
           f"up to {n} prompts per set; batch-1 roofline {roofline:.1f} tok/s")
     print("tok/s: median over prompts. vs plain: median over prompts of the per-prompt ratio, and the "
           "aggregate (total time of plain / total time of the method). of roofline: tok/s over the "
           "bandwidth roofline of plain decoding (> 1 = past what plain decoding can ever reach).")
     print_table(["prompts", "method", "tau", "tok/s", "vs jaxspec plain (median)", "vs jaxspec plain (aggregate)",
-                 "vs n-gram k=7", "vs EAGLE-3 k=3", "vs HF generate", "of roofline"], rows)
+                 "vs n-gram k=7", "vs EAGLE-3 k=3", "vs HF generate", f"vs {LLAMA_PLAIN}", "of roofline"], rows)
     if copy_rates["plain"]:
         paired, aggregate = speedups(copy_rates["ngram"], copy_rates["plain"])
         print(f"\n{chain_name} over both copy-heavy sets ({len(copy_rates['plain'])} prompts): "
@@ -447,7 +480,8 @@ def main(argv=None) -> int:
         prompts = sets["MT-Bench"]
         if len(prompts) < args.batch:
             prompts = (prompts * args.batch)[: args.batch]
-        batched = {name: run_batched(engine_for(model, *methods[name], batch=args.batch), prompts, new, args.batch,
+        batched = {name: run_batched(engine_for(model, *methods[name], batch=args.batch, quantize=args.quantize),
+                                     prompts, new, args.batch,
                                      args.reps) for name in ["jaxspec plain", *heads]}
         base = median(batched["jaxspec plain"])
         print(f"\nbatch {args.batch}, MT-Bench ({len(prompts)} prompts, {new} new tokens each): decode tok/s of "

@@ -223,6 +223,8 @@ def prepare_params(params: dict, cfg: ModelConfig, *, unstack: bool | None = Non
                          "loaded from a GGUF (use int8)")
     if quantize == "gguf":  # the block type names are for people, not for the program
         params = {**params, "gguf": {k: v for k, v in params["gguf"].items() if k != "types"}}
+    else:  # blocks loaded but not asked for stay on the host
+        params = {k: v for k, v in params.items() if k != "gguf"}
     unstack = default_unstack() if unstack is None else unstack
     # One jitted program, not ~600 eager ops (swaps, pads, 30 x 9 layer slices): 4.5 s of every
     # CLI start went to dispatching them; the program comes from the persistent compilation cache.
