@@ -146,6 +146,29 @@ def test_captured_features_equal_torch(tiny_dirs):
     assert not np.allclose(shifted["aux"].astype(np.float32), _torch_states(hf, seqs[0].tolist(), (0,))[0], atol=1e-2)
 
 
+@pytest.mark.parametrize("quantize", ["int8", "gguf"])
+def test_captured_features_on_quantized_weights_equal_torch(tiny_dirs, quantize):
+    """Feature capture on the quantized target (issue 29) equals Hugging Face running the dequantized
+    weights, and differs from the float model's features (the quantized kernels ran)."""
+    from jaxspec.models.loading import load_model
+    from tests.test_gguf_blocks import HF_LINEARS, quantized_reference
+    from tests.test_quantize import dequantized_hf
+
+    path, hf = tiny_dirs["llama"]
+    model = load_model(str(path), progress=False)
+    params = model.params
+    if quantize == "gguf":
+        params["gguf"], ref = quantized_reference(hf, {k: "Q4_1" for k in HF_LINEARS})
+    else:
+        ref = dequantized_hf(hf)
+    seq = np.random.default_rng(1).integers(3, 256, 40)
+    f = D.capture_features(params, model.config, [seq], FeatureRequest((0, 2), True), batch=2, quantize=quantize)[0]
+    aux, final = _torch_states(ref, seq.tolist(), (0, 2))
+    np.testing.assert_allclose(f["aux"].astype(np.float32), aux, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(f["final"].astype(np.float32), final, rtol=2e-3, atol=2e-3)
+    assert not np.allclose(f["final"].astype(np.float32), _torch_states(hf, seq.tolist(), (0,))[1], atol=2e-3)
+
+
 def _build(d, chat, convs, **kw):
     args = dict(target="tiny", request=FeatureRequest((0, 1), True), num_conversations=len(convs), max_len=64,
                 shard_conversations=3, batch=4)

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-max-new", type=int, default=64)
     p.add_argument("--num-conversations", type=int, default=2000, help="--data sharegpt: conversations")
     p.add_argument("--source", choices=("regenerate", "raw"), default="regenerate", help="--data sharegpt")
+    p.add_argument("--quantize", choices=("none", "int8", "gguf"), default="none",
+                   help="--data sharegpt: regenerate and capture features on the quantized target "
+                        "(engine.quantize), as the head will be served")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -112,7 +115,7 @@ def run_train(args) -> int:
 
     cfg = config_from_args(args)
     progress = not args.quiet
-    model = load_model(args.target, progress=progress)
+    model = load_model(args.target, progress=progress, gguf_blocks=args.quantize == "gguf")
     out = Path(args.out)
     if args.data == "sharegpt":
         from jaxspec.speculative.types import FeatureRequest
@@ -124,7 +127,7 @@ def run_train(args) -> int:
             layers = tuple(cfg.feature_layers) or eagle3_layers(model.config.num_layers)
         source = prepare_data(args.target, out_dir=out / "data", num_conversations=args.num_conversations,
                               source=args.source, max_len=cfg.max_len, model=model, progress=progress,
-                              feature_request=FeatureRequest(layers, True), seed=cfg.seed)
+                              feature_request=FeatureRequest(layers, True), seed=cfg.seed, quantize=args.quantize)
         source = FeatureCache(source.dir)
     else:
         source = tr.open_source(args.data)

@@ -166,15 +166,16 @@ def _capture_fn(cfg, layers: tuple[int, ...]):
 
 def capture_features(model_params: dict, cfg, sequences: Sequence[np.ndarray], request: FeatureRequest, *,
                      batch: int = 8, max_len: int | None = None, native: bool = False,
-                     length_multiple: int = 64) -> list[dict[str, np.ndarray]]:
+                     length_multiple: int = 64, quantize: str = "none") -> list[dict[str, np.ndarray]]:
     """Per sequence {"aux": [T, len(layers) * H] f16, "final": [T, H] f16} by batched prefill.
 
     `model_params`: loaded (HF layout) or runtime params. Sequences are sorted by length and padded
     to a multiple of `length_multiple` (few compiled shapes); `final` is always captured (the trainer
-    projects it with the target's LM head)."""
+    projects it with the target's LM head). `quantize` (engine.quantize: int8, or gguf on the native
+    kernels, params["gguf"] loaded): the features of the quantized target a head will serve beside."""
     from jaxspec.models.llama import prepare_params
 
-    params = prepare_params(model_params, cfg, native=native)
+    params = prepare_params(model_params, cfg, native=native or quantize == "gguf", quantize=quantize)
     layers = tuple(int(k) for k in request.layers)
     fn = _capture_fn(cfg, layers)
     h = cfg.hidden_size
@@ -425,7 +426,8 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
                 target: str, request: FeatureRequest, num_conversations: int, max_len: int = 1024,
                 source: str = "raw", temperature: float = 0.8, seed: int = 0, engine=None,
                 shard_conversations: int = 64, batch: int = 8, resume: bool = True, max_shards: int | None = None,
-                progress: bool = False, first_conversation: int = 0, **example_kw) -> FeatureCache:
+                progress: bool = False, first_conversation: int = 0, quantize: str = "none",
+                **example_kw) -> FeatureCache:
     """Build (or resume) the cache of `num_conversations` conversations, from the
     `first_conversation`-th on (a campaign round takes the conversations after the last round's).
 
@@ -440,6 +442,7 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
                 "aux_width": cfg.hidden_size * len(request.layers), "vocab_size": cfg.vocab_size,
                 "max_len": max_len, "source": source, "temperature": float(temperature) if source != "raw" else None,
                 "seed": seed, "shard_conversations": shard_conversations, "num_conversations": num_conversations,
+                **({"quantize": quantize} if quantize != "none" else {}),
                 **({"first_conversation": first_conversation} if first_conversation else {}),
                 **({"sampled_every": example_kw["sampled_every"],
                     "sampled_temperature": example_kw.get("sampled_temperature", 0.7)}
@@ -463,7 +466,8 @@ def build_cache(out_dir: str | Path, conversations: Iterable[Conversation], mode
         exs = build_examples(convs, tokenizer, source=source, engine=engine, max_len=max_len,
                              temperature=temperature, seed=seed,
                              first_index=first_conversation + manifest["position"], **example_kw)
-        feats = capture_features(model_params, cfg, [e.tokens for e in exs], request, batch=batch, max_len=max_len)
+        feats = capture_features(model_params, cfg, [e.tokens for e in exs], request, batch=batch, max_len=max_len,
+                                 quantize=quantize)
         name = f"shard_{len(manifest['shards']):05d}.npz"
         nbytes = write_shard(out / name, exs, feats)
         manifest["position"] += len(convs)
@@ -491,13 +495,14 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
                  heldout_fraction: float = 0.02, sharegpt: str | Path | None = None, model=None,
                  shard_conversations: int = 64, max_new_tokens: int | None = None,
                  split: str = "train", first_conversation: int = 0, sampled_every: int = 0,
-                 sampled_temperature: float = 0.7) -> FeatureCache:
+                 sampled_temperature: float = 0.7, quantize: str = "none") -> FeatureCache:
     """The CLI's entry: load the target, build (or resume) the cache of one ShareGPT split
     ('train', or 'heldout' for evaluation sets training never sees) in `out_dir`.
-    `feature_request` default: EAGLE-3's layers plus the final-norm state."""
+    `feature_request` default: EAGLE-3's layers plus the final-norm state. `quantize`: regenerate
+    and capture on the quantized target (engine.quantize), as it will be served."""
     from jaxspec.models.loading import load_model
 
-    model = model or load_model(target, progress=progress)
+    model = model or load_model(target, progress=progress, gguf_blocks=quantize == "gguf")
     cfg = model.config
     request = feature_request or FeatureRequest(eagle3_layers(cfg.num_layers), True)
     engine = None
@@ -506,7 +511,7 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
         from jaxspec.engine import Engine
         from jaxspec.engine.assemble import stop_token_ids
 
-        engine = Engine(model.params, cfg, EngineSection(max_batch_size=batch, max_context=max_len),
+        engine = Engine(model.params, cfg, EngineSection(max_batch_size=batch, max_context=max_len, quantize=quantize),
                         progress=progress)
         stops = stop_token_ids(model)
     else:
@@ -516,7 +521,7 @@ def prepare_data(target: str = "default", *, out_dir: str | Path, num_conversati
                        num_conversations=num_conversations, max_len=max_len, source=source,
                        temperature=temperature, seed=seed, engine=engine, batch=min(batch, 8), resume=resume,
                        progress=progress, shard_conversations=shard_conversations, stop_ids=stops,
-                       max_new_tokens=max_new_tokens, first_conversation=first_conversation,
+                       max_new_tokens=max_new_tokens, first_conversation=first_conversation, quantize=quantize,
                        **({"sampled_every": sampled_every, "sampled_temperature": sampled_temperature}
                           if sampled_every else {}))
 
