@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(PY) -m jaxspec.generate --model default --prompts configs/demo_prompts.jsonl --max-new-tokens 64 \
-		--spec eagle3 --num-draft-tokens 4
+		--spec eagle3 --num-draft-tokens 4 --quantize gguf
 
 serve: setup
 	$(PY) -m jaxspec.serve
