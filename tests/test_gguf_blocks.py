@@ -156,22 +156,38 @@ def test_engine_on_blocks_equals_hf_on_the_dequantized_weights(q4_model):
 
 
 def test_speculation_on_blocks_equals_plain(q4_model, tiny_dirs, tmp_path):
-    """Exact on GGUF blocks: n-gram and an EAGLE-3 tree (sharing the Q8_0 LM head) give plain's tokens."""
-    from tests.heads_fixtures import write_eagle3_head
+    """Exact on GGUF blocks, every drafter family: n-gram, the truncated target, and heads that share
+    the target's Q8_0 LM head and embedding (EAGLE, EAGLE-3 tree, Medusa, MLP speculator, DFLASH) or
+    read its KV (FROZEN_KV_MTP) give plain decoding's tokens, at batch 2."""
+    from tests import heads_fixtures as hx
 
     model, hf, _ = q4_model
-    head = write_eagle3_head(tmp_path / "e3", hf, layer_ids=[0, 1, 1], convention="input")
     plain = LLM(model, quantize="gguf", progress=False, **ENGINE)
     prompts = [[5, 17, 33, 9, 5, 17, 33, 9, 5], [11, 12, 13, 11, 12, 13, 11]]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    for spec, draft in (({"algorithm": "ngram", "adaptive": "off"}, None),
-                        ({"algorithm": "eagle3", "topk": 2, "num_steps": 2, "num_draft_tokens": 5,
-                          "adaptive": "off"}, str(head))):
-        llm = LLM(model, spec=spec, draft_model=draft, quantize="gguf", progress=False, **ENGINE)
+    chain = {"topk": 1, "num_steps": 3, "num_draft_tokens": 4, "adaptive": "off"}
+    cases = {
+        "ngram": ({"algorithm": "ngram", "adaptive": "off"}, None),
+        "standalone": ({"algorithm": "standalone", "draft_layers": 1, **chain}, None),
+        "eagle": ({"algorithm": "eagle", **chain}, hx.write_eagle_head(tmp_path / "e1", hf)),
+        "eagle3-tree": ({"algorithm": "eagle3", "topk": 2, "num_steps": 2, "num_draft_tokens": 5, "adaptive": "off"},
+                        hx.write_eagle3_head(tmp_path / "e3", hf, layer_ids=[0, 1, 1], convention="input")),
+        "medusa": ({"algorithm": "medusa", **chain}, hx.write_medusa_head(tmp_path / "medusa", hf, num_heads=3)),
+        "mlp_speculator": ({"algorithm": "mlp_speculator", **chain},
+                           hx.write_mlp_speculator(tmp_path / "mlp", hf, n_predict=3)),
+        "dflash": ({"algorithm": "dflash", "num_draft_tokens": 8, "adaptive": "off"},
+                   hx.write_block_head(tmp_path / "dflash", hf, kind="dflash", block_size=8, layer_ids=(0, 1))),
+        "frozen_kv_mtp": ({"algorithm": "frozen_kv_mtp", **chain}, hx.write_frozen_kv_head(tmp_path / "fkv", hf)),
+    }
+    ran = {}
+    for name, (spec, draft) in cases.items():
+        llm = LLM(model, spec=spec, draft_model=None if draft is None else str(draft), quantize="gguf",
+                  progress=False, **ENGINE)
         outs = llm.generate(prompts, sp)
-        assert [o.outputs[0].token_ids for o in outs] == want
-        assert all(o.outputs[0].accept_lengths for o in outs)  # the drafter ran
+        assert [o.outputs[0].token_ids for o in outs] == want, name
+        ran[name] = all(o.outputs[0].accept_lengths for o in outs)
+    assert all(ran.values()), ran  # every drafter ran its verify loop
 
 
 def test_quantized_gguf_file_loads_its_blocks(tmp_path):
