@@ -205,7 +205,8 @@ def test_quantized_gguf_file_loads_its_blocks(tmp_path):
     model = load_model(str(path), progress=False, gguf_blocks=True, cache_dir=tmp_path / "cache")
     assert model.params["gguf"]["types"] == {**{k: "Q4_1" for k in HF_LINEARS}, "lm_head": "Q8_0"}
     ref = tf.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
-    llm = LLM(model, quantize="gguf", progress=False, **ENGINE)
+    llm = LLM(str(path), quantize="gguf", cache_dir=str(tmp_path / "cache"), progress=False, **ENGINE)  # by path
+    assert llm.engine.runner.params["head"].bits == 8
     prompt = [5, 17, 33, 9, 100, 42, 7]
     out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
     assert_greedy_equal(ref, prompt, out, hf_greedy(ref, prompt, 12))
