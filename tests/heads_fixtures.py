@@ -280,7 +280,7 @@ def block_heads_v8(d, hf) -> dict:
 
 
 def write_frozen_kv_head(d, target, *, seed=0, layer_ids=None, published=False, draft_vocab_size=0, hidden=None,
-                         heads=None, sliding=False, window=3) -> Path:
+                         heads=None, sliding=False, window=3, centroids=0, centroid_top_k=4) -> Path:
     """FROZEN_KV_MTP in Gemma 4's assistant layout (HF gemma4_assistant): pre/post_projection, model.norm,
     model.layers.{i}.{input_layernorm, self_attn.q_proj, self_attn.q_norm, self_attn.o_proj,
     post_attention_layernorm, pre_feedforward_layernorm, mlp.*, post_feedforward_layernorm, layer_scalar}.
@@ -288,7 +288,9 @@ def write_frozen_kv_head(d, target, *, seed=0, layer_ids=None, published=False, 
     `published`: Gemma4AssistantForCausalLM (GELU-tanh, query scale 1, embed scale sqrt(H), the LM head
     tied to model.embed_tokens); else jaxspec's FrozenKVMTPForCausalLM (SiLU, head_dim ** -0.5), with a
     reduced vocabulary (lm_head + d2t) when `draft_vocab_size`. `layer_ids` default: the last two target
-    layers (one per draft layer); `sliding` makes the first draft layer a sliding-window one."""
+    layers (one per draft layer); `sliding` makes the first draft layer a sliding-window one.
+    `centroids` > 0: Gemma 4's centroid LM head (use_ordered_embeddings): masked_embedding.centroids
+    [C, d] and a random token_ordering permutation, the best `centroid_top_k` clusters kept."""
     g, r = geom(target), _Rand(seed)
     ids = list(layer_ids if layer_ids is not None else [g.layers - 2, g.layers - 1][-min(2, g.layers):])
     d_model, nh = hidden or g.hidden, heads or g.heads
@@ -325,4 +327,8 @@ def write_frozen_kv_head(d, target, *, seed=0, layer_ids=None, published=False, 
         cfg["draft_vocab_size"] = draft_vocab_size
     else:
         t["model.embed_tokens.weight"] = r.mat(g.vocab, d_model, 8.0)
+    if centroids:
+        t["masked_embedding.centroids.weight"] = r.mat(centroids, d_model, 8.0)
+        t["masked_embedding.token_ordering"] = r.rng.permutation(g.vocab).astype(np.int64)
+        cfg.update(use_ordered_embeddings=True, num_centroids=centroids, centroid_intermediate_top_k=centroid_top_k)
     return _write(d, cfg, t)

@@ -8,7 +8,8 @@
 3. Greedy speculative output equals plain output (batch 1 and 4, page sizes 1 and 16, chains and
    trees), selected by --spec eagle / nextn from the head's config as SGLang promotes it.
 4. The protocol: only a drafter that declares target_kv_layers sees the target cache in propose.
-5. Errors: no target_layer_ids, a centroid head, eagle3 with this head, geometry mismatches.
+5. Errors: no target_layer_ids, a centroid head whose clusters do not divide the vocabulary, eagle3
+   with this head, geometry mismatches. (Gemma 4's centroid LM head itself runs: 1 and 3.)
 6. Training: the loss falls on a tiny corpus and the export loads back to the same drafts.
 (The sampled loop's chi-square: tests/test_feature_distribution.py; the compiled loop never copies
 the cache: tests/test_spec_loop.py; server preemption: tests/test_serve_features.py.)
@@ -54,6 +55,9 @@ def world(tmp_path_factory):
         "published": write_frozen_kv_head(tmp / "published", hf, published=True, layer_ids=[3, 2], hidden=48,
                                           heads=2),
         "sliding": write_frozen_kv_head(tmp / "sliding", hf, sliding=True, window=4, seed=3),
+        # Gemma 4 E2B/E4B's centroid LM head: 16 clusters of 16 tokens, the best 4 scored.
+        "centroid": write_frozen_kv_head(tmp / "centroid", hf, published=True, layer_ids=[3, 2], seed=4,
+                                         centroids=16, centroid_top_k=4),
     }
     return SimpleNamespace(model=model, hf=hf, heads=heads, tmp=tmp)
 
@@ -149,6 +153,13 @@ def torch_chain(hf, head_dir, tokens, depth, *, seed_offset=0, swap_layers=False
                 x = (x + norm(m, w[p + "post_feedforward_layernorm.weight"])) * w[p + "layer_scalar"]
             y = norm(x, w["model.norm.weight"])
             logits = y @ lm.T
+            if cfg.get("use_ordered_embeddings"):  # HF's Gemma4AssistantMaskedEmbedder, one row
+                c, k = cfg["num_centroids"], cfg["centroid_intermediate_top_k"]
+                top = torch.topk(y @ w["masked_embedding.centroids.weight"].T, k).indices[0]
+                sel = w["masked_embedding.token_ordering"].view(c, -1)[top].reshape(-1)
+                scored = (y @ lm[sel].T)[0]
+                logits = torch.full_like(logits, float(scored.min()) - 1.0)
+                logits[0, sel] = scored
             h = y @ w["post_projection.weight"].T
             i = int(torch.argmax(logits[0]))
             tok = i + int(d2t[i]) if d2t is not None else i
@@ -162,7 +173,8 @@ def torch_chain(hf, head_dir, tokens, depth, *, seed_offset=0, swap_layers=False
 # ---- 1. propose == torch over Hugging Face's K/V ------------------------------------------------
 
 
-@pytest.mark.parametrize("which,page_size", [("jaxspec", 1), ("jaxspec", 16), ("published", 16), ("sliding", 4)])
+@pytest.mark.parametrize("which,page_size", [("jaxspec", 1), ("jaxspec", 16), ("published", 16), ("sliding", 4),
+                                             ("centroid", 16)])
 def test_chain_equals_torch_reference_over_hf_kv(world, which, page_size):
     head = world.heads[which]
     drafter, params, hcfg, target = _drafter(world.model, head)
@@ -245,11 +257,11 @@ def plain(world):
             .generate(REQS)]
 
 
-@pytest.mark.parametrize("alg,topk,steps,n,page_size,batch", [
-    ("nextn", 1, 3, 4, 1, 4), ("eagle", 1, 3, 4, 16, 1), ("frozen_kv_mtp", 2, 3, 6, 16, 4),
-    ("frozen_kv_mtp", 2, 2, 5, 1, 1)])
-def test_greedy_equals_plain(world, plain, alg, topk, steps, n, page_size, batch):
-    spec = validate_spec_config(SpecSection(algorithm=alg, draft_model=str(world.heads["jaxspec"]), topk=topk,
+@pytest.mark.parametrize("alg,topk,steps,n,page_size,batch,head", [
+    ("nextn", 1, 3, 4, 1, 4, "jaxspec"), ("eagle", 1, 3, 4, 16, 1, "jaxspec"), ("frozen_kv_mtp", 2, 3, 6, 16, 4, "jaxspec"),
+    ("frozen_kv_mtp", 2, 2, 5, 1, 1, "jaxspec"), ("frozen_kv_mtp", 2, 3, 6, 16, 4, "centroid")])
+def test_greedy_equals_plain(world, plain, alg, topk, steps, n, page_size, batch, head):
+    spec = validate_spec_config(SpecSection(algorithm=alg, draft_model=str(world.heads[head]), topk=topk,
                                             num_steps=steps, num_draft_tokens=n))
     assert spec.algorithm == "frozen_kv_mtp"
     draft = load_draft(spec, world.model, jnp.float32, progress=False)
@@ -303,7 +315,7 @@ def _edit(world, name, **changes):
     (dict(target_layer_ids=None), "names no target_layer_ids"),
     (dict(target_layer_ids=[2, 9]), r"\[9\] outside \[0, 4\)"),
     (dict(target_layer_ids=[2]), "one target layer per draft layer"),
-    (dict(use_ordered_embeddings=True), "centroid LM head"),
+    (dict(use_ordered_embeddings=True, num_centroids=7), "num_centroids 7 must divide the vocabulary"),
     (dict(text_config={"num_key_value_heads": 4}), "num_key_value_heads 4 != target num_key_value_heads 2"),
     (dict(text_config={"hidden_activation": "relu2"}), "activation 'relu2' is not supported"),
 ])
@@ -349,3 +361,30 @@ def test_training_lowers_the_loss_and_exports_what_it_trained(world, tmp_path):
     prop = _drive(world.model, drafter, params, target, tokens, 6, [2, 3, 2], 16)
     assert prop.tokens[0, 1:].tolist() == torch_chain(world.hf, head, tokens, 3)[0]
     assert res.hcfg.target_kv_layers == (2, 3)
+
+
+def test_centroid_head_exports_and_loads_back(world, tmp_path):
+    """A centroid head written in jaxspec's format (export_head) loads back to the same tensors and
+    settings: the clusters, the kept count and the token ordering survive."""
+    from jaxspec.train.export import export_head
+
+    spec = SpecSection(algorithm="frozen_kv_mtp", draft_model=str(world.heads["centroid"]), topk=1, num_steps=3,
+                       num_draft_tokens=4)
+    params, hcfg = load_draft(spec, world.model, jnp.float32, progress=False)
+    out = export_head(params, hcfg, tmp_path / "out")
+    again, hcfg2 = load_draft(dataclasses.replace(spec, draft_model=str(out)), world.model, jnp.float32,
+                              progress=False)
+    assert (hcfg2.num_centroids, hcfg2.centroid_top_k) == (16, 4)
+    np.testing.assert_array_equal(again["token_ordering"], params["token_ordering"])
+    np.testing.assert_array_equal(np.asarray(again["centroids"]), np.asarray(params["centroids"]))
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"  # a repeated token id in the ordering is refused
+    bad.mkdir()
+    t = load_file(str(world.heads["centroid"] / "model.safetensors"))
+    t["masked_embedding.token_ordering"][1] = t["masked_embedding.token_ordering"][0]
+    cfg = json.loads((world.heads["centroid"] / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(ConfigError, match="not a permutation"):
+        load_draft(dataclasses.replace(spec, draft_model=str(bad)), world.model, jnp.float32, progress=False)

@@ -57,6 +57,10 @@ class HeadConfig:
     target_kv_layers: tuple[int, ...] = ()
     hidden_act: str = "silu"
     query_scale: float = 0.0
+    # Gemma 4's centroid LM head (`use_ordered_embeddings`): score `num_centroids` clusters, keep the
+    # best `centroid_top_k`, and score only their tokens (0: the dense head).
+    num_centroids: int = 0
+    centroid_top_k: int = 0
 
     @property
     def feature_width(self) -> int:

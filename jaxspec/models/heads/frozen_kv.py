@@ -10,6 +10,9 @@ Hugging Face `gemma4_assistant`); docs/frozen_kv_mtp.md has what was read where.
         x = (x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))) * layer_scalar
     y  = norm(x);  logits = lm_head(y);  h_next = post_projection(y)              [B, T, H_target]
 
+or, with Gemma 4's centroid head (`use_ordered_embeddings`, E2B/E4B), logits only for the tokens of
+the `centroid_intermediate_top_k` best of `num_centroids` clusters (`centroid_logits`).
+
 Queries carry no K/V of their own: a draft token never becomes a key anywhere, and earlier drafts
 reach later ones only through h_prev. So every step of a round attends to the same committed
 prefix, at one RoPE position (the last slot with target K/V), and the seed h_prev is the target's
@@ -111,7 +114,30 @@ def frozen_kv_step(
         m = linear(act(linear(m, lp["w_gate"])) * linear(m, lp["w_up"]), lp["w_down"])
         x = (x + rms_norm(m, lp["post_ff_norm"], eps)) * lp["layer_scalar"].astype(x.dtype)
     y = rms_norm(x, own["norm"], eps)
-    return linear(y, own["post"]), linear(y, own["head"]).astype(jnp.float32)
+    logits = centroid_logits(own, hcfg, y) if "centroids" in own else linear(y, own["head"]).astype(jnp.float32)
+    return linear(y, own["post"]), logits
+
+
+def centroid_logits(
+    own: dict,  # "centroids" [d, C], "ordering" [C, V / C] int32, "head_rows" [V, d] (the tied table)
+    hcfg: HeadConfig,
+    y: Float[Array, "B T d"],  # the draft's final-norm state
+) -> Float[Array, "B T V"]:
+    """Gemma 4's masked embedder (HF `Gemma4AssistantMaskedEmbedder`; vLLM and SGLang agree): the
+    tokens of the top-k clusters get y . embedding, the rest the smallest of those minus one (per
+    row here; HF takes it over the whole batch, which would make a row depend on its neighbours).
+    1. Score the clusters and keep the best k.
+    2. Their tokens: k * V / C canonical ids, through the checkpoint's token ordering.
+    3. Score those rows of the tied table; scatter into a masked [V] row."""
+    b, t, _ = y.shape
+    scores = linear(y, own["centroids"]).astype(jnp.float32)  # [B, T, C]
+    _, top = jax.lax.top_k(scores, hcfg.centroid_top_k)  # [B, T, k]
+    sel = own["ordering"][top].reshape(b, t, -1)  # [B, T, k * V / C]
+    s = jnp.einsum("btsd,btd->bts", own["head_rows"][sel].astype(jnp.float32), y.astype(jnp.float32))
+    mask = jnp.min(s, axis=-1, keepdims=True) - 1.0
+    full = jnp.broadcast_to(mask, (b, t, hcfg.layer.vocab_size))
+    bi, ti = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    return full.at[bi, ti, sel].set(s)
 
 
 def window_mask(visible: jax.Array, n: jax.Array, hcfg: HeadConfig, layer: int) -> jax.Array:
@@ -125,11 +151,17 @@ def window_mask(visible: jax.Array, n: jax.Array, hcfg: HeadConfig, layer: int) 
 def prepare_frozen_kv_params(params: dict, hcfg: HeadConfig, *, native: bool = False) -> dict:
     """Loaded (HF [out, in]) -> runtime ([in, out] matrices; the LM head as `head` [d, Vd])."""
     out = {"pre": runtime_matrix(params["pre"], native), "post": runtime_matrix(params["post"], native),
-           "head": runtime_matrix(params["lm_head"], native), "norm": jnp.asarray(params["norm"]),
+           "norm": jnp.asarray(params["norm"]),
            "layers": [{k: (runtime_matrix(v, native) if k in MATRICES else jnp.asarray(v)) for k, v in lp.items()}
                       for lp in params["layers"]]}
     if "d2t" in params:
         out["d2t"] = jnp.asarray(params["d2t"])
+    if "centroids" in params:  # rows of the tied table are gathered by token id: kept [V, d], unpacked
+        c = hcfg.num_centroids
+        out.update(centroids=runtime_matrix(params["centroids"], native), head_rows=jnp.asarray(params["lm_head"]),
+                   ordering=jnp.asarray(np.asarray(params["token_ordering"]).reshape(c, -1), jnp.int32))
+    else:
+        out["head"] = runtime_matrix(params["lm_head"], native)
     return out
 
 
@@ -154,9 +186,18 @@ def parse(kind: str, cfg: dict, t, convention: str) -> HeadConfig:
     if not isinstance(text, dict):
         raise ConfigError("FROZEN_KV_MTP draft config.json has no text_config (the draft layers' geometry)")
     published = is_published(cfg)
-    if cfg.get("use_ordered_embeddings"):
-        raise ConfigError("FROZEN_KV_MTP draft has use_ordered_embeddings=true (Gemma 4's 2048-centroid LM head), "
-                          "which is not supported: export it with the dense tied head")
+    centroids = top_k = 0
+    if cfg.get("use_ordered_embeddings"):  # HF's defaults: 2048 clusters, the best 32 kept
+        centroids, top_k = int(cfg.get("num_centroids", 2048)), int(cfg.get("centroid_intermediate_top_k", 32))
+        if centroids < 1 or t.vocab_size % centroids:
+            raise ConfigError(f"use_ordered_embeddings: num_centroids {centroids} must divide the vocabulary "
+                              f"({t.vocab_size} tokens)")
+        if not 0 < top_k <= centroids:
+            raise ConfigError(f"use_ordered_embeddings: centroid_intermediate_top_k {top_k} must be in "
+                              f"[1, num_centroids {centroids}]")
+        if cfg.get("draft_vocab_size") not in (None, t.vocab_size):
+            raise ConfigError("use_ordered_embeddings with a reduced draft_vocab_size: the centroid head scores the "
+                              "full vocabulary")
     bb = int(cfg.get("backbone_hidden_size") or t.hidden_size)
     check_equal("backbone_hidden_size", bb, t.hidden_size)
     n = int(text.get("num_hidden_layers", 0))
@@ -203,7 +244,8 @@ def parse(kind: str, cfg: dict, t, convention: str) -> HeadConfig:
     embed_scale = float(cfg.get("embed_scale") or (math.sqrt(bb) if published else 1.0))
     return HeadConfig(kind=kind, layer=layer, target_hidden_size=bb, draft_vocab_size=dv, own_head=True,
                       sliding_layers=tuple(x == "sliding_attention" for x in types), sliding_window=window,
-                      input_embedding_scale=embed_scale, target_kv_layers=ids, hidden_act=act, query_scale=scale)
+                      input_embedding_scale=embed_scale, target_kv_layers=ids, hidden_act=act, query_scale=scale,
+                      num_centroids=centroids, centroid_top_k=top_k)
 
 
 def _name(t, n: str) -> str:
@@ -242,6 +284,12 @@ def read(t, cfg: dict, hcfg: HeadConfig, target) -> tuple[HeadConfig, dict]:
     else:  # the published tie: the LM head is the draft's own embedding table
         head = "lm_head.weight" if "lm_head.weight" in t else _name(t, "model.embed_tokens.weight")
         params["lm_head"] = t.get(head, (v, d))
+    if hcfg.num_centroids:
+        params["centroids"] = t.get(_name(t, "masked_embedding.centroids.weight"), (hcfg.num_centroids, d))
+        order = np.asarray(t.raw(_name(t, "masked_embedding.token_ordering"), (v,))).astype(np.int64)
+        if not np.array_equal(np.sort(order), np.arange(v)):
+            raise ConfigError(f"masked_embedding.token_ordering is not a permutation of the {v} token ids")
+        params["token_ordering"] = order
     return hcfg, params
 
 
@@ -301,9 +349,14 @@ def write(params: dict, hcfg: HeadConfig, *, draft_ids=None, target_vocab: int |
         t["d2t"] = ids - np.arange(dv, dtype=np.int64)
     else:
         t["model.embed_tokens.weight"] = to_np(params["lm_head"])
+    if hcfg.num_centroids:
+        t["masked_embedding.centroids.weight"] = to_np(params["centroids"])
+        t["masked_embedding.token_ordering"] = np.asarray(params["token_ordering"], np.int64)
     cfg = {
         "architectures": [ARCH], "model_type": "frozen_kv_mtp", "backbone_hidden_size": hcfg.target_hidden_size,
-        "target_layer_ids": list(hcfg.target_kv_layers), "use_ordered_embeddings": False,
+        "target_layer_ids": list(hcfg.target_kv_layers), "use_ordered_embeddings": bool(hcfg.num_centroids),
+        **({"num_centroids": hcfg.num_centroids, "centroid_intermediate_top_k": hcfg.centroid_top_k}
+           if hcfg.num_centroids else {}),
         "query_scale": hcfg.query_scale or None, "embed_scale": hcfg.input_embedding_scale,
         **({"draft_vocab_size": dv} if "d2t" in t else {}),
         "text_config": {
