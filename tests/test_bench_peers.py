@@ -201,8 +201,9 @@ def test_llama_cpp_peer_with_a_fake_module(tmp_path, monkeypatch):
     assert [r[0] for r in rows] == ["Q4_1", "F32"]
     # Timed: n tokens over the n - 1 single-token forwards after prefill (0.01 s each on the fake clock).
     tps = n / ((n - 1) * 0.01)
-    for label, mib, got, jx, ratio, roof, of_roof in rows:
+    for label, mib, got, jx, ratio, roof, of_roof, batched in rows:
         assert got == pytest.approx(tps) and jx == 250.0 and ratio == pytest.approx(250.0 / tps)
+        assert batched != batched  # NaN: no batch prompts given, the parallel-sequence figure is not run
     assert rows[0][5] == pytest.approx(1e9 / common.gguf_weight_bytes(src))  # its own roofline, its own bytes
 
     # Both files loaded with the asked threads; greedy; the prompts as given; a warm-up, then reps passes.
