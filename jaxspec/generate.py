@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "request samples from (temperature, top-k, top-p)")
     p.add_argument("--quantize", choices=["none", "int8", "gguf"],
                    help="target weights: as loaded (default), weight-only int8 quantized at load (the native "
-                        "CPU kernels, else XLA's dot), or gguf: a GGUF's own Q4_0/Q4_1/Q8_0 blocks (native CPU kernels)")
+                        "CPU kernels, else XLA's dot), or gguf: a GGUF's own Q4_0/Q4_1/Q8_0 blocks (native CPU "
+                        "kernels)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="share full KV pages between requests with equal prefixes (default on; "
                         "--no-prefix-cache recomputes every prompt)")

@@ -258,8 +258,9 @@ def plain(world):
 
 
 @pytest.mark.parametrize("alg,topk,steps,n,page_size,batch,head", [
-    ("nextn", 1, 3, 4, 1, 4, "jaxspec"), ("eagle", 1, 3, 4, 16, 1, "jaxspec"), ("frozen_kv_mtp", 2, 3, 6, 16, 4, "jaxspec"),
-    ("frozen_kv_mtp", 2, 2, 5, 1, 1, "jaxspec"), ("frozen_kv_mtp", 2, 3, 6, 16, 4, "centroid")])
+    ("nextn", 1, 3, 4, 1, 4, "jaxspec"), ("eagle", 1, 3, 4, 16, 1, "jaxspec"),
+    ("frozen_kv_mtp", 2, 3, 6, 16, 4, "jaxspec"), ("frozen_kv_mtp", 2, 2, 5, 1, 1, "jaxspec"),
+    ("frozen_kv_mtp", 2, 3, 6, 16, 4, "centroid")])
 def test_greedy_equals_plain(world, plain, alg, topk, steps, n, page_size, batch, head):
     spec = validate_spec_config(SpecSection(algorithm=alg, draft_model=str(world.heads[head]), topk=topk,
                                             num_steps=steps, num_draft_tokens=n))

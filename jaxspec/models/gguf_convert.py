@@ -194,10 +194,11 @@ _MATRIX_KEYS = {"attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "
 def read_blocks(gguf_path: str | Path) -> dict[str, Any]:
     """A GGUF's matrices as their own blocks, for `engine.quantize = "gguf"` (params["gguf"]).
 
-    {"layers": {key: (q [L, N, K], d [L, N, K/32], m or None)}, "lm_head" or "embed": (q, d, m)}
-    and "types" {key: "Q4_1", ...}, in Hugging Face's [out, in] row order (llama's q/k rows un-permuted, the same bits), decoded
-    by `native.block_matmul.decode_blocks`. Every layer matrix must be Q4_0, Q4_1 or Q8_0, one
-    type per matrix across layers; the LM head may be any type (float types stay float)."""
+    {"layers": {key: (q [L, N, K], d [L, N, K/32], m or None)}, "lm_head" or "embed": (q, d, m),
+    "types": {key: "Q4_1", ...}}, in Hugging Face's [out, in] row order (llama's q/k rows
+    un-permuted: the same bits), decoded by `native.block_matmul.decode_blocks`. Every layer matrix
+    must be Q4_0, Q4_1 or Q8_0, one type per matrix across layers; the LM head may be any type
+    (a float one stays float)."""
     from gguf import GGUFReader
 
     from jaxspec.native.block_matmul import BLOCK_BYTES, decode_blocks
