@@ -155,14 +155,15 @@ def test_engine_on_blocks_equals_hf_on_the_dequantized_weights(q4_model):
     assert np.abs(a - b).max() > 1e-2
 
 
-def test_speculation_on_blocks_equals_plain(q4_model, tiny_dirs, tmp_path):
-    """Exact on GGUF blocks, every drafter family: n-gram, the truncated target, and heads that share
-    the target's Q8_0 LM head and embedding (EAGLE, EAGLE-3 tree, Medusa, MLP speculator, DFLASH) or
-    read its KV (FROZEN_KV_MTP) give plain decoding's tokens, at batch 2."""
+@pytest.mark.parametrize("quantize", ["gguf", "int8"])
+def test_speculation_on_quantized_weights_equals_plain(q4_model, tiny_dirs, tmp_path, quantize):
+    """Exact on GGUF blocks and on int8, every drafter family: n-gram, the truncated target, and heads
+    that share the target's quantized LM head and embedding (EAGLE, EAGLE-3 tree, Medusa, MLP
+    speculator, DFLASH) or read its KV (FROZEN_KV_MTP) give plain decoding's tokens, at batch 2."""
     from tests import heads_fixtures as hx
 
     model, hf, _ = q4_model
-    plain = LLM(model, quantize="gguf", progress=False, **ENGINE)
+    plain = LLM(model, quantize=quantize, progress=False, **ENGINE)
     prompts = [[5, 17, 33, 9, 5, 17, 33, 9, 5], [11, 12, 13, 11, 12, 13, 11]]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
@@ -182,7 +183,7 @@ def test_speculation_on_blocks_equals_plain(q4_model, tiny_dirs, tmp_path):
     }
     ran = {}
     for name, (spec, draft) in cases.items():
-        llm = LLM(model, spec=spec, draft_model=None if draft is None else str(draft), quantize="gguf",
+        llm = LLM(model, spec=spec, draft_model=None if draft is None else str(draft), quantize=quantize,
                   progress=False, **ENGINE)
         outs = llm.generate(prompts, sp)
         assert [o.outputs[0].token_ids for o in outs] == want, name
