@@ -18,7 +18,7 @@ from jaxspec.cache.paged import KVCache, slot_to_page, write_layer_kv
 from jaxspec.models.config import LoadError, ModelConfig
 from jaxspec.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
 from jaxspec.native.block_matmul import BlockWeight
-from jaxspec.native.packed_matmul import PackedWeight
+from jaxspec.native.packed_matmul import PackedWeight, pack_weight, quantize_int8
 from jaxspec.native.paged_attention import MAX_QUERIES, paged_attention_native
 
 
@@ -250,23 +250,17 @@ def _prepare(params: dict, tie: bool, num_layers: int, unstack: bool, native: bo
         own = params["gguf"].get("embed" if tie else "lm_head")
         out["head"] = pack_blocks(*own) if own is not None else out["head"]
     if int8:  # (q [..., in, out], scale [..., out]) per matrix: the checkpoint's own, else quantized here
-        from jaxspec.native.packed_matmul import quantize_int8
-
         pre = params.get("int8", {})
         own = lambda k: (jnp.swapaxes(pre[k][0], -1, -2), pre[k][1])  # noqa: E731
         layers = {k: (own(k) if k in pre else quantize_int8(v)) if k in MATRICES else v for k, v in layers.items()}
         out["head"] = own("lm_head") if "lm_head" in pre and not tie else quantize_int8(out["head"])
     if native and quantize != "gguf":
-        from jaxspec.native.packed_matmul import pack_weight
-
         for name, parts in fused.items():  # int8: per-column scales concatenate with their columns
             fuse = [layers.pop(k) for k in parts]
             layers[name] = (tuple(jnp.concatenate(x, axis=-1) for x in zip(*fuse)) if int8
                             else jnp.concatenate(fuse, axis=-1))
         layers = {k: (pack_weight(v, int8) if k in MATRICES + tuple(fused) else v) for k, v in layers.items()}
     if native and isinstance(out["head"], (jax.Array, tuple)):  # not GGUF blocks already
-        from jaxspec.native.packed_matmul import pack_weight
-
         out["head"] = pack_weight(out["head"], int8)
     elif int8:
         from jaxspec.models.layers import Int8Weight
