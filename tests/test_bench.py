@@ -63,6 +63,19 @@ def test_sampled_rows_flag_is_checked(text, want):
         assert parse_sampled(text) == dict(temperature=want[0], top_p=want[1])
 
 
+@pytest.mark.parametrize("text", ["eagle3=/nonexistent", "nope=checkpoints/eagle3-smollm2-135m",
+                                  "checkpoints/eagle3-smollm2-135m", "eagle3="])
+def test_head_rows_flag_is_checked(text):
+    """bench spec --head ALG=DIR: a head directory timed beside the shipped head, or a one-line refusal."""
+    from jaxspec.bench.spec import main, parse_heads
+    from jaxspec.paths import checkpoints_dir
+
+    with pytest.raises(SystemExit, match=f"--head {text}: expected ALG=DIR"):
+        main(["--head", text])  # refused before the model loads
+    d = str(checkpoints_dir() / "frozen-kv-smollm2-135m")
+    assert parse_heads([f"frozen_kv_mtp={d}"]) == (("frozen_kv_mtp", d),)
+
+
 @pytest.mark.parametrize("argv, match", [(["--sampling", "greedy,0.8:0.9,1:1.5"], "--sampling: expected"),
                                          (["--sampling", ""], "--sampling: empty"),
                                          (["--batches", "1,0"], "--batches: expected"),

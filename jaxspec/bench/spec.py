@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -239,35 +240,51 @@ def verify_cost(model, sizes=(1, 2, 4, 8, 16), reps: int = 15, cpu_kernels: str 
     return out
 
 
-def shipped_head_methods(model) -> dict:
-    """Rows for the heads shipped in checkpoints/ (`--draft-model default`), when present."""
+SHAPES = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),
+                     ("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
+                     # The engine's policy: plain decoding or the chain of 3, per batch bucket.
+                     ("chain k=3, adaptive", dict(topk=1, num_steps=3, num_draft_tokens=4, adaptive="on")),
+                     ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8)),
+                     ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
+          "frozen_kv_mtp": [("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
+                            ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8))],
+          "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5)),
+                     ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
+          # Block drafters: the chain is the block; DSPARK's planner cuts it by the SPS table.
+          "dflash": [("block 8", dict(num_draft_tokens=8)), ("block 4", dict(num_draft_tokens=4))],
+          "dspark": [("gamma 7", dict(num_draft_tokens=8)), ("gamma 3", dict(num_draft_tokens=4))]}
+
+
+def parse_heads(texts: list) -> tuple:
+    """--head ALG=DIR ... -> ((ALG, DIR), ...), refused before any model loads."""
+    out = tuple(t.partition("=")[::2] for t in texts)
+    for (alg, d), t in zip(out, texts):
+        if alg not in SHAPES or not Path(d, "config.json").is_file():
+            raise SystemExit(f"--head {t}: expected ALG=DIR with ALG one of {', '.join(SHAPES)} and DIR a head "
+                             "directory holding config.json")
+    return out
+
+
+def shipped_head_methods(model, heads: tuple = ()) -> dict:
+    """Rows for the heads shipped in checkpoints/ (`--draft-model default`), when present, and for
+    each `--head ALG=DIR` under the same shapes (a campaign candidate beside the shipped head)."""
     from jaxspec.config import SpecSection
     from jaxspec.speculative.drafters import registrations, shipped_head
     from jaxspec.speculative.drafters.load import load_draft
 
-    shapes = {"eagle3": [("chain k=5", dict(topk=1, num_steps=5, num_draft_tokens=6)),
-                         ("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
-                         # The engine's policy: plain decoding or the chain of 3, per batch bucket.
-                         ("chain k=3, adaptive", dict(topk=1, num_steps=3, num_draft_tokens=4, adaptive="on")),
-                         ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8)),
-                         ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
-              "frozen_kv_mtp": [("chain k=3", dict(topk=1, num_steps=3, num_draft_tokens=4)),
-                                ("tree 8", dict(topk=2, num_steps=4, num_draft_tokens=8))],
-              "medusa": [("chain k=4", dict(topk=1, num_steps=4, num_draft_tokens=5)),
-                         ("tree 16", dict(topk=4, num_steps=4, num_draft_tokens=16))],
-              # Block drafters: the chain is the block; DSPARK's planner cuts it by the SPS table.
-              "dflash": [("block 8", dict(num_draft_tokens=8)), ("block 4", dict(num_draft_tokens=4))],
-              "dspark": [("gamma 7", dict(num_draft_tokens=8)), ("gamma 3", dict(num_draft_tokens=4))]}
-    out = {}
-    for alg in (r.name for r in registrations() if r.shipped_head):
+    def present(alg):
         try:
-            shipped_head(alg)
+            return shipped_head(alg) is not None
         except FileNotFoundError:
-            continue
-        for label, shape in shapes.get(alg, []):
-            kw = dict(algorithm=alg, draft_model="default", **shape)
-            out[f"jaxspec {alg} {label} (shipped head)"] = (kw, load_draft(SpecSection(**kw), model, jnp.float32,
-                                                                          progress=False))
+            return False
+
+    rows = [(r.name, "default", "shipped head") for r in registrations() if r.shipped_head and present(r.name)]
+    out = {}
+    for alg, d, tag in rows + [(alg, d, Path(d).name) for alg, d in heads]:
+        for label, shape in SHAPES.get(alg, []):
+            kw = dict(algorithm=alg, draft_model=d, **shape)
+            out[f"jaxspec {alg} {label} ({tag})"] = (kw, load_draft(SpecSection(**kw), model, jnp.float32,
+                                                                   progress=False))
     return out
 
 
@@ -377,10 +394,13 @@ def main(argv=None) -> int:
                    "trees against one-hot top-k trees (issue 30)")
     p.add_argument("--quantize", choices=["none", "int8", "gguf"], default="none",
                    help="target weights of the main and batch tables (engine.quantize; gguf: the GGUF's own blocks)")
+    p.add_argument("--head", action="append", default=[], metavar="ALG=DIR",
+                   help="also time this head directory under ALG's shapes, beside the shipped head (repeatable)")
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip llama.cpp on the same GGUF and prompts (plain, and its prompt lookup)")
     args = p.parse_args(argv)
     sampled = parse_sampled(args.sampled) if args.sampled else None  # refused before any model loads
+    heads = parse_heads(args.head)
 
     from jaxspec.bench.decode import param_bytes
     from jaxspec.models.loading import load_model
@@ -403,7 +423,7 @@ def main(argv=None) -> int:
         "jaxspec n-gram tree 16": (ngram_tree, None),
         f"jaxspec truncated-{args.draft_layers} chain k=3": (trunc, "truncated"),
     }
-    methods.update(shipped_head_methods(model))
+    methods.update(shipped_head_methods(model, heads))
     keep = [x for x in args.methods.split(",") if x]
     if keep:
         methods = {k: v for k, v in methods.items() if k == "jaxspec plain" or any(x in k for x in keep)}
