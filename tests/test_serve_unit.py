@@ -143,6 +143,30 @@ def test_adaptive_does_not_explore_or_probe_a_hopeless_deeper_draft(plausible):
         assert ran[:3] == [0, 1, 3] and ran.count(3) > 1 and a.current[b] == 0
 
 
+@pytest.mark.parametrize("smaller", [True, False], ids=["batch 16 live first", "control: no smaller batch live"])
+def test_adaptive_prices_a_larger_batch_by_a_smaller_ones_live_ratio(smaller):
+    """Batch 16 has run live: a chain of 3 costs 2.2 plain calls there, so at batch 32 (same context)
+    it costs at least 2.2 of batch 32's plain calls, whatever the dummy-row calibration says (1.8),
+    and it is not explored; the chain of 1 (1.4x at batch 16) still is."""
+    b, s = (32, 512), (16, 512)
+    a = AdaptiveSteps((0, 1, 3), {(0, b): 0.059, (1, b): 0.080, (3, b): 0.104})
+    a.observe(3, (1, 512), [1] * 7 + [2] * 2 + [3], None)  # r1 = 0.3, r2 = 1/3: E(3) = 1.4
+    if smaller:
+        for k, sec in ((0, 0.036), (1, 0.050), (3, 0.080)):
+            a.observe(k, s, [], sec)
+    live = {0: 0.12, 1: 0.16, 3: 0.38}
+    ran = []
+    for _ in range(40):
+        k = a.choose(b)
+        ran.append(k)
+        a.observe(k, b, [], live[k])
+    if smaller:
+        assert ran[:3] == [0, 1, 0] and 3 not in ran
+        assert a.estimated_cost(3, b) == pytest.approx(0.12 * 0.080 / 0.036)
+    else:
+        assert ran[:3] == [0, 1, 3]
+
+
 def test_adaptive_live_costs_replace_the_calibration():
     """Calibration says drafting 3 is nearly free; live calls say it costs 2x. Periodic exploration
     measures k = 0 live too, and the policy settles on k = 0."""
