@@ -15,7 +15,6 @@
 // Sums run over k in the same order whatever M is: results are batch-invariant, bit for bit.
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "parallel.h"
 #include "tile_gemm.h"
@@ -26,7 +25,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxspec::kPrefetchBytes;
-using jaxspec::kRowBlock;
 using jaxspec::kTile;
 using jaxspec::load;
 using jaxspec::store;
@@ -127,25 +125,6 @@ void micro(const float* x, const uint8_t* tile, const uint16_t* d, const uint16_
 }
 
 template <int Bits>
-void tile_rows(const float* x, const uint8_t* tile, const uint16_t* d, const uint16_t* m, float* y, int64_t M,
-               int64_t K, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= M; r += kRowBlock) micro<kRowBlock, Bits>(x + r * K, tile, d, m, y + r * ldy, K, ldy);
-  const float* xr = x + r * K;
-  float* yr = y + r * ldy;
-  switch (M - r) {
-    case 1: micro<1, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    case 2: micro<2, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    case 3: micro<3, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    case 4: micro<4, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    case 5: micro<5, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    case 6: micro<6, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    case 7: micro<7, Bits>(xr, tile, d, m, yr, K, ldy); break;
-    default: break;
-  }
-}
-
-template <int Bits>
 ffi::Error Run(ffi::ThreadPool& pool, const float* xd, size_t x_count, const uint8_t* q,
                ffi::Span<const int64_t> qd, const uint16_t* d, size_t d_count, const uint16_t* m, float* yd,
                size_t y_count, int64_t n_out) {
@@ -168,15 +147,11 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* xd, size_t x_count, const uin
     const uint8_t* tile = q + t * K * row_bytes;
     const uint16_t* dt = d + t * scales_per_tile;
     const uint16_t* mt = m == nullptr ? nullptr : m + t * scales_per_tile;
-    const int64_t col = t * kTile;
-    if (col + kTile <= n_out) {
-      tile_rows<Bits>(xd, tile, dt, mt, yd + col, M, K, n_out);
-      return;
-    }
-    std::vector<float> scratch(static_cast<size_t>(M) * kTile);  // the partial last tile
-    tile_rows<Bits>(xd, tile, dt, mt, scratch.data(), M, K, kTile);
-    for (int64_t r = 0; r < M; ++r)
-      std::memcpy(yd + r * n_out + col, scratch.data() + r * kTile, sizeof(float) * (n_out - col));
+    jaxspec::tile_columns(yd, t * kTile, M, n_out, [&](float* y, int64_t ldy) {
+      jaxspec::row_blocks(M, [&](auto rows, int64_t r) {
+        micro<decltype(rows)::value, Bits>(xd + r * K, tile, dt, mt, y + r * ldy, K, ldy);
+      });
+    });
   });
   return ffi::Error::Success();
 }

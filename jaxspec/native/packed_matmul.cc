@@ -11,10 +11,7 @@
 //
 // Every output row is summed over k in the same order whatever M is and
 // wherever the row sits in the batch: results are batch-invariant, bit for bit.
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 #include "parallel.h"
 #include "tile_gemm.h"
@@ -25,25 +22,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxspec::kTile;
-using jaxspec::tile_rows;
-
-// One 64-column tile for all M rows; the last tile may be partial.
-template <typename W>
-void run_tile(const float* x, const W* w, const float* scales, float* y, int64_t t, int64_t M, int64_t K,
-              int64_t N) {
-  const W* tile = w + t * K * kTile;
-  const int64_t col = t * kTile;
-  const float* scale = scales == nullptr ? nullptr : scales + col;
-  if (col + kTile <= N) {
-    tile_rows(x, tile, scale, y + col, M, K, N);
-    return;
-  }
-  // Compute into a full-width scratch, keep the valid columns.
-  std::vector<float> scratch(static_cast<size_t>(M) * kTile);
-  tile_rows(x, tile, scale, scratch.data(), M, K, kTile);
-  for (int64_t r = 0; r < M; ++r)
-    std::memcpy(y + r * N + col, scratch.data() + r * kTile, sizeof(float) * (N - col));
-}
 
 // Shapes checked, then every tile over the pool; scales: [tiles * 64] or nullptr (float32 W).
 template <typename W>
@@ -58,7 +36,12 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* xd, size_t x_count, const W* 
   if (static_cast<int64_t>(y_count) != M * n_out) return ffi::Error::InvalidArgument("output must be [M, n_out]");
   if (M == 0) return ffi::Error::Success();
   // A few chunks per thread, so a thread that starts late still finds work.
-  jaxspec::parallel_for(pool, tiles, 4, [&](int64_t t) { run_tile(xd, wdata, scales, yd, t, M, K, n_out); });
+  jaxspec::parallel_for(pool, tiles, 4, [&](int64_t t) {
+    const W* tile = wdata + t * K * kTile;
+    const float* scale = scales == nullptr ? nullptr : scales + t * kTile;
+    jaxspec::tile_columns(yd, t * kTile, M, n_out,
+                          [&](float* y, int64_t ldy) { jaxspec::tile_rows(xd, tile, scale, y, M, K, ldy); });
+  });
   return ffi::Error::Success();
 }
 

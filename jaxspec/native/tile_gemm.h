@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -86,24 +88,45 @@ void micro(const float* x, const W* tile, const float* scale, float* y, int64_t 
     for (int v = 0; v < 4; ++v) store(y + r * ldy + 16 * v, acc[r][v]);
 }
 
-// All M rows against one tile; y points at the tile's first column, scale (or nullptr) at its scales.
+// All M rows of x, kRowBlock at a time and then the rest, each block through
+// `rows_fn(std::integral_constant<int, R>, first_row)`: one driver for every micro-kernel
+// (float / int8 tiles here, GGUF blocks in block_matmul.cc), R a compile-time row count.
+template <typename F>
+inline void row_blocks(int64_t M, F&& rows_fn) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= M; r += kRowBlock) rows_fn(std::integral_constant<int, kRowBlock>{}, r);
+  switch (M - r) {
+    case 1: rows_fn(std::integral_constant<int, 1>{}, r); break;
+    case 2: rows_fn(std::integral_constant<int, 2>{}, r); break;
+    case 3: rows_fn(std::integral_constant<int, 3>{}, r); break;
+    case 4: rows_fn(std::integral_constant<int, 4>{}, r); break;
+    case 5: rows_fn(std::integral_constant<int, 5>{}, r); break;
+    case 6: rows_fn(std::integral_constant<int, 6>{}, r); break;
+    case 7: rows_fn(std::integral_constant<int, 7>{}, r); break;
+    default: break;
+  }
+}
+
+// One 64-column tile of y [M, N] starting at column col, through `tile_fn(y_tile, ldy)`; the
+// partial last tile is computed into a full-width scratch and only its valid columns kept.
+template <typename F>
+inline void tile_columns(float* y, int64_t col, int64_t M, int64_t N, F&& tile_fn) {
+  if (col + kTile <= N) {
+    tile_fn(y + col, N);
+    return;
+  }
+  std::vector<float> scratch(static_cast<size_t>(M) * kTile);
+  tile_fn(scratch.data(), kTile);
+  for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * N + col, scratch.data() + r * kTile, sizeof(float) * (N - col));
+}
+
+// All M rows against one tile [K, 64] of W; y points at the tile's first column, scale (or nullptr) at its scales.
 template <typename W>
 inline void tile_rows(const float* x, const W* tile, const float* scale, float* y, int64_t M, int64_t K,
                       int64_t ldy) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= M; r += kRowBlock) micro<kRowBlock>(x + r * K, tile, scale, y + r * ldy, K, ldy);
-  const float* xr = x + r * K;
-  float* yr = y + r * ldy;
-  switch (M - r) {
-    case 1: micro<1>(xr, tile, scale, yr, K, ldy); break;
-    case 2: micro<2>(xr, tile, scale, yr, K, ldy); break;
-    case 3: micro<3>(xr, tile, scale, yr, K, ldy); break;
-    case 4: micro<4>(xr, tile, scale, yr, K, ldy); break;
-    case 5: micro<5>(xr, tile, scale, yr, K, ldy); break;
-    case 6: micro<6>(xr, tile, scale, yr, K, ldy); break;
-    case 7: micro<7>(xr, tile, scale, yr, K, ldy); break;
-    default: break;
-  }
+  row_blocks(M, [&](auto rows, int64_t r) {
+    micro<decltype(rows)::value>(x + r * K, tile, scale, y + r * ldy, K, ldy);
+  });
 }
 
 }  // namespace jaxspec
