@@ -167,6 +167,27 @@ def test_adaptive_prices_a_larger_batch_by_a_smaller_ones_live_ratio(smaller):
         assert ran[:3] == [0, 1, 3]
 
 
+@pytest.mark.parametrize("chain1", [0.24, 0.16], ids=["chain of 1 live at 2x", "control: chain of 1 at 1.3x"])
+def test_adaptive_prices_a_longer_draft_by_a_shorter_ones_live_ratio(chain1):
+    """No smaller batch has run a chain of 3, and its dummy-row calibration at batch 32 is nearly
+    plain's (scaled by the bucket's live ratios it would be within reach), but batch 32 explored a
+    chain of 1 at 2 plain calls: a chain of 3 costs at least that, and is not explored. Control: with
+    the chain of 1 at 1.3x it still is."""
+    b = (32, 512)
+    a = AdaptiveSteps((0, 1, 3), {(0, b): 0.059, (1, b): 0.080, (3, b): 0.085})
+    a.observe(3, (1, 512), [1] * 7 + [2] * 2 + [3], None)  # E(1) = 1.3, E(3) = 1.4
+    live = {0: 0.12, 1: chain1, 3: 0.38}
+    ran = []
+    for _ in range(40):
+        k = a.choose(b)
+        ran.append(k)
+        a.observe(k, b, [], live[k])
+    assert ran[:2] == [0, 1]
+    assert (3 in ran) == (chain1 == 0.16)
+    if chain1 == 0.24:  # without the floor: 0.085 x the bucket's mean live ratio (2.03 + 3.0) / 2
+        assert a.estimated_cost(3, b) == pytest.approx(0.24) and 0.085 * (0.12 / 0.059 + 3.0) / 2 < 0.22
+
+
 def test_adaptive_live_costs_replace_the_calibration():
     """Calibration says drafting 3 is nearly free; live calls say it costs 2x. Periodic exploration
     measures k = 0 live too, and the policy settles on k = 0."""

@@ -95,17 +95,18 @@ class AdaptiveSteps:
         return max(cost, self._smaller_batch_floor(k, b))
 
     def _smaller_batch_floor(self, k: int, b: Hashable) -> float:
-        """A verify of k+1 rows per sequence grows from bandwidth- towards compute-bound with the
-        batch, so k's cost relative to plain decoding never falls as the batch grows: in a (batch,
-        context) bucket, k costs at least plain's estimate times the largest live k / plain ratio
-        of a smaller batch at the same context. At C = 32 the server learns at batch 8 and 16 that
-        a chain of 3 costs 1.8-2.2 plain calls, where the dummy-row calibration of batch 32 says 1.8
-        and live it costs 3.4."""
+        """Drafting never gets relatively cheaper with more rows or more drafts: a verify of k+1
+        rows per sequence grows from bandwidth- towards compute-bound with the batch, and a longer
+        draft costs at least a shorter one. So in a (batch, context) bucket, k costs at least plain's
+        estimate times the largest live j / plain ratio with 0 < j <= k at a batch <= b (same
+        context). At C = 32 the server learns at batch 16, or from a chain of 1 at batch 32, that
+        a chain of 3 costs 2+ plain calls, where the dummy-row calibration of batch 32 says 1.8 and
+        live it costs 3.4."""
         if k == 0 or not isinstance(b, tuple) or len(b) != 2:
             return 0.0
-        ratios = [self.cost[(k, s)] / self.cost[(0, s)] for s in {s for (_, s) in self._live}
-                  if isinstance(s, tuple) and len(s) == 2 and s[1] == b[1] and s[0] < b[0]
-                  and (k, s) in self._live and (0, s) in self._live]
+        ratios = [self.cost[(j, s)] / self.cost[(0, s)] for (j, s) in self._live
+                  if 0 < j <= k and (j, s) != (k, b) and isinstance(s, tuple) and len(s) == 2
+                  and s[1] == b[1] and s[0] <= b[0] and (0, s) in self._live]
         plain = self.estimated_cost(0, b)
         return plain * max(ratios) if ratios and plain else 0.0
 
