@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.native.build import ensure_registered
+from jaxspec.native.packed_matmul import ffi_matmul
 
 TILE = 64
 BLOCK = 32
@@ -121,15 +121,9 @@ def block_matmul(
     x: jax.Array,  # [..., K] float32
     bw: BlockWeight,
 ) -> jax.Array:  # [..., N] float32
-    """x @ W through the FFI kernel (built and registered on first trace)."""
-    ensure_registered()
+    """x @ W through the FFI kernel."""
     if x.dtype != jnp.float32:
         raise TypeError(f"block_matmul takes float32 x, got {x.dtype}")
-    if bw.q.ndim != 3:
-        raise ValueError(f"block_matmul takes one layer's blocks [tiles, K, 32 or 64], got {bw.q.shape}")
-    if x.shape[-1] != bw.q.shape[1]:
-        raise ValueError(f"x's last axis {x.shape[-1]} != the weight's K {bw.q.shape[1]}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (bw.n_out,), jnp.float32)
     if bw.m is None:
-        return jax.ffi.ffi_call(TARGET_Q8, out)(x, bw.q, bw.d, n_out=np.int64(bw.n_out))
-    return jax.ffi.ffi_call(TARGET_Q4, out)(x, bw.q, bw.d, bw.m, n_out=np.int64(bw.n_out))
+        return ffi_matmul(TARGET_Q8, x, bw.n_out, bw.q, bw.d)
+    return ffi_matmul(TARGET_Q4, x, bw.n_out, bw.q, bw.d, bw.m)

@@ -92,21 +92,33 @@ def packed_matmul_ref(
     return jnp.einsum("...i,io->...o", x, unpack_weight(pw))
 
 
+def ffi_matmul(
+    target: str,  # the registered FFI kernel
+    x: jax.Array,  # [..., K] float32
+    n_out: int,
+    *weights: jax.Array,  # the kernel's weight operands in its order, first the stream [tiles, K, X]
+) -> jax.Array:  # [..., n_out] float32
+    """x @ W through an FFI matmul kernel (built and registered on first trace), the shapes checked
+    for every kernel alike: the packed float / int8 tiles here and the GGUF blocks (block_matmul)."""
+    ensure_registered()
+    stream = weights[0]
+    if stream.ndim != 3:
+        raise ValueError(f"{target} takes one layer's weight [tiles, K, X], got {stream.shape}")
+    if x.shape[-1] != stream.shape[1]:
+        raise ValueError(f"x's last axis {x.shape[-1]} != the weight's K {stream.shape[1]}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n_out,), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x, *weights, n_out=np.int64(n_out))
+
+
 def packed_matmul(
     x: jax.Array,  # [..., K] float32
     pw: PackedWeight,
 ) -> jax.Array:  # [..., N] float32
-    """x @ W through the FFI kernel (built and registered on first trace)."""
-    ensure_registered()
+    """x @ W through the FFI kernel."""
     int8 = pw.scales is not None
     if x.dtype != jnp.float32 or pw.tiles.dtype != (jnp.int8 if int8 else jnp.float32):
         raise TypeError(f"packed_matmul takes float32 x and float32 or int8 (with scales) weights, got x {x.dtype} "
                         f"and weight {pw.tiles.dtype}")
-    if pw.tiles.ndim != 3:
-        raise ValueError(f"packed_matmul takes one layer's weight [tiles, K, 64], got {pw.tiles.shape}")
-    if x.shape[-1] != pw.tiles.shape[1]:
-        raise ValueError(f"x's last axis {x.shape[-1]} != the weight's K {pw.tiles.shape[1]}")
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + (pw.n_out,), jnp.float32)
     if int8:
-        return jax.ffi.ffi_call(TARGET_I8, out)(x, pw.tiles, pw.scales, n_out=np.int64(pw.n_out))
-    return jax.ffi.ffi_call(TARGET, out)(x, pw.tiles, n_out=np.int64(pw.n_out))
+        return ffi_matmul(TARGET_I8, x, pw.n_out, pw.tiles, pw.scales)
+    return ffi_matmul(TARGET, x, pw.n_out, pw.tiles)
