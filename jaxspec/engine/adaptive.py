@@ -92,9 +92,9 @@ class AdaptiveSteps:
         ratios = [self.cost[(j, b)] / self._calibration[(j, b)] for j in self.candidates
                   if (j, b) in self._calibration]
         cost = cost * sum(ratios) / len(ratios) if ratios else cost
-        return max(cost, self._smaller_batch_floor(k, b))
+        return max(cost, self._live_ratio_floor(k, b))
 
-    def _smaller_batch_floor(self, k: int, b: Hashable) -> float:
+    def _live_ratio_floor(self, k: int, b: Hashable) -> float:
         """Drafting never gets relatively cheaper with more rows or more drafts: a verify of k+1
         rows per sequence grows from bandwidth- towards compute-bound with the batch, and a longer
         draft costs at least a shorter one. So in a (batch, context) bucket, k costs at least plain's
