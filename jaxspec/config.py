@@ -164,7 +164,8 @@ class ServeSection:
     # trip, smaller lets new requests in sooner (they wait at most one call).
     steps_per_call: int = 4
     prefill_chunk: int = 256  # prompt tokens per prefill call and row
-    max_prefill_batch: int = 2
+    max_prefill_batch: int = 8
+    prefill_tokens: int = 512  # padded tokens (rows x chunk bucket) per prefill call
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard
@@ -226,6 +227,7 @@ class Config:
             (self.serve.steps_per_call >= 1, "serve.steps_per_call must be >= 1"),
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),
             (self.serve.max_prefill_batch >= 1, "serve.max_prefill_batch must be >= 1"),
+            (self.serve.prefill_tokens >= 1, "serve.prefill_tokens must be >= 1"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,
              "serve.adaptive_steps must be non-empty draft lengths >= 0"),
             (0 <= self.serve.kv_memory_fraction < 1, "serve.kv_memory_fraction must be in [0, 1)"),

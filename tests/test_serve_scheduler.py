@@ -57,8 +57,12 @@ def config(path, **extra):
 
 def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
     path, _ = tiny_dirs["llama"]
+    # Four prefill rows of 8 or 16 tokens (budget 32): the planner's partial chunks, several per call.
     server = build_server(config(path, **{"spec.algorithm": "ngram", "spec.topk": 2, "spec.num_steps": 3,
-                                          "spec.num_draft_tokens": 8, "serve.adaptive": False}), progress=False)
+                                          "spec.num_draft_tokens": 8, "serve.adaptive": False,
+                                          "engine.length_buckets": "8,16,32,128", "serve.max_prefill_batch": 4,
+                                          "serve.prefill_tokens": 32}), progress=False)
+    assert server.runner.prefill_shapes == ((4, 8), (4, 16))
     assert not server.runner.plans[7].chain  # the fixed tree is served as configured
     got, _ = run_all(server, PROMPTS, NEW)
     assert got == reference

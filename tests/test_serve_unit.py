@@ -307,3 +307,63 @@ def test_cli_and_llm_layer_the_models_sampling_defaults_under_the_users(tiny_dir
     s = config_for(str(d), None, None, "float32", {}).sampling
     assert (s.temperature, s.top_p) == (0.6, 0.9)
     assert config_for("default", None, None, "float32", {}).sampling.temperature == 0.0
+
+
+# ---- the prefill planner (serve/scheduler.plan_prefill) ---------------------------------------------
+
+def _shapes(batches, chunks, budget):
+    """What `ModelRunner.prefill_shapes` compiles for these buckets and token budget."""
+    return tuple((b, c) for b in batches for c in chunks if b == batches[0] or b * c <= budget)
+
+
+def _rows(batches):
+    return lambda shards: next(b for b in batches if b >= len(shards))
+
+
+CHUNKS, BATCHES = (32, 64, 128, 256), (1, 2, 4, 8)
+
+
+def test_prefill_planner_keeps_long_prompts_at_two_full_rows():
+    from jaxspec.serve.scheduler import plan_prefill
+
+    pending = [(0, 900), (0, 700), (0, 1500), (0, 300)]
+    idx, c = plan_prefill(pending, _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES))
+    assert (idx, c) == ([0, 1], 256)  # the old fixed shape: no padding, the oldest first
+
+
+def test_prefill_planner_packs_short_cache_hit_turns_within_the_budget():
+    from jaxspec.serve.scheduler import plan_prefill
+
+    pending = [(0, n) for n in (50, 61, 40, 33, 64, 58, 47, 62, 49)]
+    idx, c = plan_prefill(pending, _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES))
+    assert (idx, c) == (list(range(8)), 64)  # eight turns finish in one 512-token call
+    # Control: under the old row cap of two the same queue finishes only two per call.
+    idx, c = plan_prefill(pending, _shapes((1, 2), CHUNKS, 512), CHUNKS, _rows((1, 2)))
+    assert len(idx) == 2
+
+
+def test_prefill_planner_finishes_a_short_prompt_behind_a_long_one():
+    from jaxspec.serve.scheduler import plan_prefill
+
+    idx, c = plan_prefill([(0, 1000), (0, 50)], _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES))
+    assert idx == [0, 1] and c == 64  # the short one's TTFT ends now; the long one still moves
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 2000)), min_size=1, max_size=12),
+       st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2]))
+def test_prefill_planner_always_moves_the_oldest_within_budget_and_shard_caps(pending, budget, shards):
+    from jaxspec.serve.scheduler import plan_prefill
+
+    pending = [(s % shards, n) for s, n in pending]
+    batches = tuple(b for b in BATCHES if b % shards == 0)
+    shapes = _shapes(batches, CHUNKS, budget)
+
+    def rows(of):  # split pages: every shard's rows fit its slice of the bucket
+        return next(b for b in batches if b // shards >= max(of.count(d) for d in range(shards)))
+
+    idx, c = plan_prefill(pending, shapes, CHUNKS, rows, shards)
+    assert idx[0] == 0 and idx == sorted(set(idx))
+    chunk = next(x for x in CHUNKS if x >= max(min(c, pending[i][1]) for i in idx))
+    assert (rows([pending[i][0] for i in idx]), chunk) in shapes  # a compiled program, within the budget
+    assert all(sum(pending[i][0] == d for i in idx) <= max(batches[-1] // shards, 1) for d in range(shards))

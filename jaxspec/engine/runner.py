@@ -104,7 +104,7 @@ class ModelRunner:
                  split_pages: bool = True, benchmark: bool = False, progress: bool = True,
                  steps_candidates: Sequence[int] | None = None, steps_per_call: int | None = None,
                  context_buckets: Sequence[int] | None = None, prefill_chunk: int | None = None,
-                 max_prefill_batch: int | None = None,
+                 max_prefill_batch: int | None = None, prefill_tokens: int | None = None,
                  adaptive_lengths: Sequence[int] | None = None):
         # 1. Mesh and weights.
         self.mesh = mesh
@@ -176,6 +176,11 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk or min(bucket_for(self.max_context, lengths, "max_context"),
                                                   self.max_context)
         self.chunk_buckets = tuple(c for c in lengths if c < self.prefill_chunk) + (self.prefill_chunk,)
+        # The (rows, chunk) prefill programs: rows x chunk within the token budget (a call's cost, and
+        # the decode stall it causes), so more rows only when their chunks are short; one row takes any.
+        budget = prefill_tokens or self.prefill_batches[-1] * self.prefill_chunk
+        self.prefill_shapes = tuple((b, c) for b in self.prefill_batches for c in self.chunk_buckets
+                                    if b == self.prefill_batches[0] or b * c <= budget)
         ctx = [c for c in sorted(context_buckets or lengths) if c < self.max_context] + [self.max_context]
         self.context_buckets = tuple(ctx)
         # Slots per store (split pages: per data shard, shard-local ids); `num_slots` is the spare.
@@ -342,7 +347,7 @@ class ModelRunner:
 
     def all_keys(self, suffix: str = "") -> list[tuple]:
         """Every bucket's key; suffix GRAMMAR: their constrained builds."""
-        keys = [("prefill" + suffix, b, c) for b in self.prefill_batches for c in self.chunk_buckets]
+        keys = [("prefill" + suffix, b, c) for b, c in self.prefill_shapes]
         keys += [("decode" + suffix, k, b, ctx) for k in self.candidates for b in self.batch_buckets
                  for ctx in self.context_buckets]
         return keys

@@ -42,7 +42,7 @@ from jaxspec.cache.prefix import page_keys
 from jaxspec.engine.adaptive import AdaptiveSteps
 from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.engine.runner import ModelRunner
-from jaxspec.engine.types import RowInput, TokenScores
+from jaxspec.engine.types import RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxspec.serve")
@@ -101,6 +101,45 @@ class Seq:
         """Tokens to prefill: the whole prompt, or, when recomputing after a
         preemption, everything but the newest token (the decode root)."""
         return len(self.tokens) - (1 if self.num_generated else 0)
+
+
+# What one prefill call costs beyond its padded tokens, in tokens: the decode call that follows it
+# in the same scheduler step (plus the weights read and the dispatch). Without it the planner would
+# split prefill into many small calls, each paying a decode call.
+PREFILL_CALL_OVERHEAD = 128
+
+
+def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], ...], chunk_buckets: tuple[int, ...],
+                 padded_rows: Callable[[list[int]], int], num_shards: int = 1,
+                 overhead: int = PREFILL_CALL_OVERHEAD) -> tuple[list[int], int]:
+    """The next prefill call: which of `pending` it takes (indices) and its chunk length.
+
+    pending: (data shard, prompt tokens left) per prefilling sequence, oldest first. shapes: the
+    compiled (rows, chunk) buckets, which hold rows x chunk within the token budget. padded_rows:
+    the rows a call taking sequences on these shards is padded to.
+
+    Each shape takes the oldest sequences first, at most rows / num_shards per shard, so the oldest
+    always progresses. A call costs its padded tokens plus `overhead`; the shape that finishes the
+    most prompts per cost wins (a prompt's first token leaves when its prefill ends: TTFT), then
+    the one that prefills the most tokens per cost (throughput), then the longer chunk. Cache-hit
+    turns leave 30-130 tokens each: eight of them fit a 512-token call, where a row cap of two
+    padded two of them to one chunk bucket each.
+    """
+    best, choice = None, None
+    for b, c in shapes:
+        taken, idx = [0] * num_shards, []
+        for i, (shard, _) in enumerate(pending):
+            if taken[shard] < max(b // num_shards, 1):
+                taken[shard] += 1
+                idx.append(i)
+        lens = [min(c, pending[i][1]) for i in idx]
+        chunk = next((x for x in chunk_buckets if x >= max(lens)), c)
+        cost = padded_rows([pending[i][0] for i in idx]) * chunk + overhead
+        done = sum(n == pending[i][1] for i, n in zip(idx, lens))
+        score = (done / cost, sum(lens) / cost, chunk)
+        if best is None or score > best:
+            best, choice = score, (idx, c)
+    return choice
 
 
 class Scheduler:
@@ -344,14 +383,12 @@ class Scheduler:
 
     def _prefill_step(self) -> None:
         r = self.runner
-        cap, taken, batch = max(r.prefill_batches) // self.num_shards, [0] * self.num_shards, []
-        for s in self.prefilling:  # oldest first, at most a bucket's rows per shard
-            if taken[s.shard] < cap:
-                taken[s.shard] += 1
-                batch.append(s)
-        layout = self._layout(batch, r.prefill_batches)
+        pending = [(s.shard or 0, s.prefill_target - s.num_cached) for s in self.prefilling]
+        rows = lambda shards: bucket_for(len(r.place(shards, r.prefill_batches)), r.prefill_batches, "")  # noqa: E731
+        idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, rows, self.num_shards)
+        layout = self._layout([self.prefilling[i] for i in idx], r.prefill_batches)
         chunks = [None if s is None else
-                  (self._row(s), s.num_cached, min(r.prefill_chunk, s.prefill_target - s.num_cached)) for s in layout]
+                  (self._row(s), s.num_cached, min(c, s.prefill_target - s.num_cached)) for s in layout]
         first, first_lp = r.prefill_scored(chunks)
         for seq, chunk, tok, lp in zip(layout, chunks, first, first_lp):
             if seq is None:
