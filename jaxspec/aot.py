@@ -17,6 +17,7 @@ lives beside XLA's cache and is off when that cache is off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -96,7 +97,7 @@ def compile_cached(parts: tuple, build: Callable[[], Any], before_load: Callable
     from jax.experimental import serialize_executable as se
 
     d = store_dir()
-    if d is None:
+    if d is None or not _can_turn_cache_off():
         return _compile(build)
     key = hashlib.sha256(repr((source_fingerprint(), jax.devices(), parts)).encode()).hexdigest()
     f = d / f"{key[:40]}.exe"
@@ -126,11 +127,38 @@ def _compile(build, fresh: bool = False):
         return lowered.compile()
     # An XLA:CPU executable that XLA's persistent cache loaded serializes without its object
     # code (running one stored from it fails with "Function broadcast_compare_fusion not found"),
-    # so what is stored is compiled afresh. Turning that cache off is not enough: if this
-    # process already ran the program (loaded from that cache), JAX's in-memory compile cache
-    # hands the same executable back. A compile option at its default value makes both keys new.
+    # so what is stored is compiled afresh:
+    # - if this process already ran the program (loaded from that cache), JAX's in-memory compile
+    #   cache hands the same executable back: a compile option at its default value makes that
+    #   key new;
+    # - XLA's cache must be off for this compile, or the entry the last fresh compile of the same
+    #   program wrote (same option, same key) is read back: every stored prefill failed after a
+    #   source change that left its HLO alone (2026-12-04). jax decides "cache used" once per
+    #   process, so the `enable_compilation_cache` flag alone does nothing here.
+    options = {"xla_dump_to": ""} if jax.default_backend() == "cpu" else None
+    with _persistent_cache_off():
+        return lowered.compile(compiler_options=options)
+
+
+def _can_turn_cache_off() -> bool:
+    """Whether this jax has the memo `_persistent_cache_off` resets (else nothing is stored)."""
+    from jax._src import compilation_cache as cc
+
+    return all(hasattr(cc, a) for a in ("_cache_checked", "_cache_used", "_cache_initialized_mutex"))
+
+
+@contextlib.contextmanager
+def _persistent_cache_off():
+    """XLA's persistent cache neither read nor written inside (jax memoizes `is_cache_used`)."""
+    from jax._src import compilation_cache as cc
     from jax._src import config as jax_config
 
-    options = {"xla_dump_to": ""} if jax.default_backend() == "cpu" else None
-    with jax_config.enable_compilation_cache(False):
-        return lowered.compile(compiler_options=options)
+    with cc._cache_initialized_mutex:
+        saved = cc._cache_checked, cc._cache_used
+        cc._cache_checked, cc._cache_used = True, False
+    try:
+        with jax_config.enable_compilation_cache(False):
+            yield
+    finally:
+        with cc._cache_initialized_mutex:
+            cc._cache_checked, cc._cache_used = saved

@@ -100,6 +100,10 @@ def f(x, y):  # fusions (broadcast, compare, select) that XLA:CPU resolves by na
     return jnp.where(x[:, None] > y[None, :], jnp.exp(x[:, None] * y[None, :]), 0.0).sum(1)
 
 x, y = jnp.arange(64.0), jnp.arange(64.0) / 3
+if sys.argv[1] == "drop":  # the store is lost (a source change gives every bucket a new key)
+    import pathlib
+    [f.unlink() for f in pathlib.Path(sys.argv[2], "executables").glob("*.exe")]
+    sys.exit()
 if sys.argv[1] != "load":
     print(jax.jit(f)(x, y)[1])  # "warm" fills XLA's persistent cache; "store" runs the program loaded from it
 if sys.argv[1] != "warm":
@@ -110,8 +114,10 @@ if sys.argv[1] != "warm":
 def test_an_executable_stored_after_xlas_cache_loaded_it_runs_in_the_next_process(tmp_path):
     """The server's 'Function broadcast_compare_fusion not found' (2026-12-03): a process that ran a
     program from XLA's persistent cache and then stored it wrote an executable without its object
-    code, and the next process that loaded it failed mid-request. Positive control: the store file
-    exists, so the third process really loaded it rather than compiling."""
+    code, and the next process that loaded it failed mid-request. Then the same after the store is
+    lost: the second fresh compile read back the XLA cache entry the first one wrote (every stored
+    prefill failed after a source change, 2026-12-04). Positive control: the store file exists, so
+    the loading process really loaded it rather than compiling."""
     import os
     import subprocess
     import sys
@@ -120,11 +126,11 @@ def test_an_executable_stored_after_xlas_cache_loaded_it_runs_in_the_next_proces
     script.write_text(_STEP)
     env = {**os.environ, "JAXSPEC_EXECUTABLE_CACHE": "on"}
     outs = []
-    for step in ("warm", "store", "load"):
+    for step in ("warm", "store", "load", "drop", "store", "load"):
         r = subprocess.run([sys.executable, str(script), step, str(tmp_path / "xla")], capture_output=True,
                            text=True, env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
         assert r.returncode == 0, f"{step}: {r.stderr[-2000:]}"
         outs.append(r.stdout.split())
         if step == "store":
             assert len(list((tmp_path / "xla" / "executables").glob("*.exe"))) == 1
-    assert outs[2] == outs[1][1:] == outs[1][:1] == outs[0]
+    assert outs[2] == outs[1][1:] == outs[1][:1] == outs[0] == outs[4][1:] == outs[5]
