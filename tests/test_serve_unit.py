@@ -317,36 +317,34 @@ def _shapes(batches, chunks, budget):
 
 
 def _rows(batches):
-    return lambda shards: next(b for b in batches if b >= len(shards))
+    return lambda shards: next((b for b in batches if b >= len(shards)), None)
 
 
 CHUNKS, BATCHES = (32, 64, 128, 256), (1, 2, 4, 8)
 
 
-def test_prefill_planner_keeps_long_prompts_at_two_full_rows():
+def _plan(pending, batches=BATCHES, budget=512):
     from jaxspec.serve.scheduler import plan_prefill
 
-    pending = [(0, 900), (0, 700), (0, 1500), (0, 300)]
-    idx, c = plan_prefill(pending, _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES))
-    assert (idx, c) == ([0, 1], 256)  # the old fixed shape: no padding, the oldest first
+    return plan_prefill(pending, _shapes(batches, CHUNKS, budget), CHUNKS, _rows(batches), 256)
+
+
+def test_prefill_planner_keeps_long_prompts_at_two_full_rows():
+    assert _plan([(0, 900), (0, 700), (0, 1500), (0, 300)]) == ([0, 1], 256)  # the old fixed shape
 
 
 def test_prefill_planner_packs_short_cache_hit_turns_within_the_budget():
-    from jaxspec.serve.scheduler import plan_prefill
-
     pending = [(0, n) for n in (50, 61, 40, 33, 64, 58, 47, 62, 49)]
-    idx, c = plan_prefill(pending, _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES))
-    assert (idx, c) == (list(range(8)), 64)  # eight turns finish in one 512-token call
+    assert _plan(pending) == (list(range(8)), 64)  # eight turns finish in one 512-token call
     # Control: under the old row cap of two the same queue finishes only two per call.
-    idx, c = plan_prefill(pending, _shapes((1, 2), CHUNKS, 512), CHUNKS, _rows((1, 2)))
-    assert len(idx) == 2
+    assert _plan(pending, batches=(1, 2)) == ([0, 1], 64)
+    # One turn of 100 tokens makes the chunk 128: four rows fit.
+    assert _plan([(0, 50), (0, 100)] + pending) == ([0, 1, 2, 3], 128)
 
 
-def test_prefill_planner_finishes_a_short_prompt_behind_a_long_one():
-    from jaxspec.serve.scheduler import plan_prefill
-
-    idx, c = plan_prefill([(0, 1000), (0, 50)], _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES))
-    assert idx == [0, 1] and c == 64  # the short one's TTFT ends now; the long one still moves
+def test_prefill_planner_lets_a_short_prompt_ride_with_a_long_one():
+    assert _plan([(0, 1000), (0, 50)]) == ([0, 1], 256)  # as two fixed rows did: it finishes now
+    assert _plan([(0, 50), (0, 1000), (0, 40)]) == ([0, 1], 256)  # FIFO: the third waits
 
 
 @settings(max_examples=200, deadline=None)
@@ -360,10 +358,13 @@ def test_prefill_planner_always_moves_the_oldest_within_budget_and_shard_caps(pe
     shapes = _shapes(batches, CHUNKS, budget)
 
     def rows(of):  # split pages: every shard's rows fit its slice of the bucket
-        return next(b for b in batches if b // shards >= max(of.count(d) for d in range(shards)))
+        return next((b for b in batches if b // shards >= max(of.count(d) for d in range(shards))), None)
 
-    idx, c = plan_prefill(pending, shapes, CHUNKS, rows, shards)
-    assert idx[0] == 0 and idx == sorted(set(idx))
-    chunk = next(x for x in CHUNKS if x >= max(min(c, pending[i][1]) for i in idx))
-    assert (rows([pending[i][0] for i in idx]), chunk) in shapes  # a compiled program, within the budget
-    assert all(sum(pending[i][0] == d for i in idx) <= max(batches[-1] // shards, 1) for d in range(shards))
+    idx, c = plan_prefill(pending, shapes, CHUNKS, rows, 256)
+    assert idx == list(range(len(idx))) and idx  # a FIFO prefix, never empty
+    assert c == next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in idx))
+    assert (rows([pending[i][0] for i in idx]), c) in shapes  # a compiled program, within the budget
+    if len(idx) < len(pending):  # it stopped because the next one did not fit
+        nxt = idx + [len(idx)]
+        c2 = next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in nxt))
+        assert (rows([pending[i][0] for i in nxt]), c2) not in shapes

@@ -103,43 +103,29 @@ class Seq:
         return len(self.tokens) - (1 if self.num_generated else 0)
 
 
-# What one prefill call costs beyond its padded tokens, in tokens: the decode call that follows it
-# in the same scheduler step (plus the weights read and the dispatch). Without it the planner would
-# split prefill into many small calls, each paying a decode call.
-PREFILL_CALL_OVERHEAD = 128
-
-
 def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], ...], chunk_buckets: tuple[int, ...],
-                 padded_rows: Callable[[list[int]], int], num_shards: int = 1,
-                 overhead: int = PREFILL_CALL_OVERHEAD) -> tuple[list[int], int]:
-    """The next prefill call: which of `pending` it takes (indices) and its chunk length.
+                 padded_rows: Callable[[list[int]], int | None], chunk: int) -> tuple[list[int], int]:
+    """The next prefill call: which of `pending` it takes (indices) and its chunk bucket.
 
     pending: (data shard, prompt tokens left) per prefilling sequence, oldest first. shapes: the
-    compiled (rows, chunk) buckets, which hold rows x chunk within the token budget. padded_rows:
-    the rows a call taking sequences on these shards is padded to.
+    compiled (rows, chunk bucket) programs, rows x chunk within the token budget (the smallest row
+    bucket takes any chunk). padded_rows: the row bucket a call taking sequences on these shards is
+    padded to (None: no bucket holds them). chunk: the most prompt tokens a row takes per call.
 
-    Each shape takes the oldest sequences first, at most rows / num_shards per shard, so the oldest
-    always progresses. A call costs its padded tokens plus `overhead`; the shape that finishes the
-    most prompts per cost wins (a prompt's first token leaves when its prefill ends: TTFT), then
-    the one that prefills the most tokens per cost (throughput), then the longer chunk. Cache-hit
-    turns leave 30-130 tokens each: eight of them fit a 512-token call, where a row cap of two
-    padded two of them to one chunk bucket each.
+    Sequences join oldest first, each taking min(chunk, tokens left), while the padded call is a
+    compiled shape; the first that does not fit ends the call (FIFO: the oldest always moves). Long
+    prompts get what a fixed two rows of 256 gave them; short cache-hit turns (30-130 tokens) pack
+    eight to a 512-token call, where two rows each padded to a chunk bucket finished two.
     """
-    best, choice = None, None
-    for b, c in shapes:
-        taken, idx = [0] * num_shards, []
-        for i, (shard, _) in enumerate(pending):
-            if taken[shard] < max(b // num_shards, 1):
-                taken[shard] += 1
-                idx.append(i)
-        lens = [min(c, pending[i][1]) for i in idx]
-        chunk = next((x for x in chunk_buckets if x >= max(lens)), c)
-        cost = padded_rows([pending[i][0] for i in idx]) * chunk + overhead
-        done = sum(n == pending[i][1] for i, n in zip(idx, lens))
-        score = (done / cost, sum(lens) / cost, chunk)
-        if best is None or score > best:
-            best, choice = score, (idx, c)
-    return choice
+    taken, bucket = [], 0
+    for i, (_, left) in enumerate(pending):
+        c = max(bucket, next(x for x in chunk_buckets if x >= min(chunk, left)))
+        rows = padded_rows([pending[j][0] for j in taken + [i]])
+        if taken and (rows is None or (rows, c) not in shapes):
+            break
+        taken.append(i)
+        bucket = c
+    return taken, bucket
 
 
 class Scheduler:
@@ -381,11 +367,18 @@ class Scheduler:
             cached=seq.prefix_hit, grammar=seq.grammar,
         )
 
+    def _prefill_rows(self, shards: list[int]) -> int | None:
+        """The prefill row bucket for sequences on these data shards (None: none holds them)."""
+        r = self.runner
+        try:
+            return bucket_for(len(r.place(shards, r.prefill_batches)), r.prefill_batches, "prefill batch")
+        except ValueError:
+            return None
+
     def _prefill_step(self) -> None:
         r = self.runner
         pending = [(s.shard or 0, s.prefill_target - s.num_cached) for s in self.prefilling]
-        rows = lambda shards: bucket_for(len(r.place(shards, r.prefill_batches)), r.prefill_batches, "")  # noqa: E731
-        idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, rows, self.num_shards)
+        idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk)
         layout = self._layout([self.prefilling[i] for i in idx], r.prefill_batches)
         chunks = [None if s is None else
                   (self._row(s), s.num_cached, min(c, s.prefill_target - s.num_cached)) for s in layout]
