@@ -342,6 +342,18 @@ def test_prefill_planner_packs_short_cache_hit_turns_within_the_budget():
     assert _plan([(0, 50), (0, 100)] + pending) == ([0, 1, 2, 3], 128)
 
 
+def test_prefill_planner_passes_over_a_full_data_shard():
+    from jaxspec.serve.scheduler import plan_prefill
+
+    batches = (2, 4)  # split pages over 2 data shards: at most 2 rows per shard
+
+    def rows(of):
+        return next((b for b in batches if b // 2 >= max(of.count(d) for d in range(2))), None)
+
+    pending = [(0, 50), (0, 40), (0, 30), (1, 60)]
+    assert plan_prefill(pending, _shapes(batches, CHUNKS, 512), CHUNKS, rows, 256) == ([0, 1, 3], 64)
+
+
 def test_prefill_planner_lets_a_short_prompt_ride_with_a_long_one():
     assert _plan([(0, 1000), (0, 50)]) == ([0, 1], 256)  # as two fixed rows did: it finishes now
     assert _plan([(0, 50), (0, 1000), (0, 40)]) == ([0, 1], 256)  # FIFO: the third waits
@@ -361,10 +373,12 @@ def test_prefill_planner_always_moves_the_oldest_within_budget_and_shard_caps(pe
         return next((b for b in batches if b // shards >= max(of.count(d) for d in range(shards))), None)
 
     idx, c = plan_prefill(pending, shapes, CHUNKS, rows, 256)
-    assert idx == list(range(len(idx))) and idx  # a FIFO prefix, never empty
+    assert idx and idx[0] == 0 and idx == sorted(set(idx))  # the oldest always moves
+    if shards == 1:
+        assert idx == list(range(len(idx)))  # a FIFO prefix
     assert c == next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in idx))
     assert (rows([pending[i][0] for i in idx]), c) in shapes  # a compiled program, within the budget
-    if len(idx) < len(pending):  # it stopped because the next one did not fit
+    if shards == 1 and len(idx) < len(pending):  # it stopped because the next one did not fit
         nxt = idx + [len(idx)]
         c2 = next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in nxt))
         assert (rows([pending[i][0] for i in nxt]), c2) not in shapes

@@ -113,15 +113,18 @@ def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], 
     padded to (None: no bucket holds them). chunk: the most prompt tokens a row takes per call.
 
     Sequences join oldest first, each taking min(chunk, tokens left), while the padded call is a
-    compiled shape; the first that does not fit ends the call (FIFO: the oldest always moves). Long
-    prompts get what a fixed two rows of 256 gave them; short cache-hit turns (30-130 tokens) pack
-    eight to a 512-token call, where two rows each padded to a chunk bucket finished two.
+    compiled shape; the first that would break the budget ends the call (FIFO: the oldest always
+    moves). One whose data shard has no row left is passed over. Long prompts get what a fixed two
+    rows of 256 gave them; short cache-hit turns (30-130 tokens) pack eight to a 512-token call,
+    where two rows each padded to a chunk bucket finished two.
     """
     taken, bucket = [], 0
     for i, (_, left) in enumerate(pending):
         c = max(bucket, next(x for x in chunk_buckets if x >= min(chunk, left)))
         rows = padded_rows([pending[j][0] for j in taken + [i]])
-        if taken and (rows is None or (rows, c) not in shapes):
+        if taken and rows is None:  # its shard's rows are taken: a later one may be on another shard
+            continue
+        if taken and (rows, c) not in shapes:
             break
         taken.append(i)
         bucket = c
