@@ -120,7 +120,7 @@ def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], 
     """
     taken, bucket = [], 0
     for i, (_, left) in enumerate(pending):
-        c = max(bucket, next(x for x in chunk_buckets if x >= min(chunk, left)))
+        c = max(bucket, bucket_for(min(chunk, left), chunk_buckets, "prefill chunk"))
         rows = padded_rows([pending[j][0] for j in taken + [i]])
         if taken and rows is None:  # its shard's rows are taken: a later one may be on another shard
             continue
