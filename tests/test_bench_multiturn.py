@@ -4,6 +4,7 @@ messages, reading usage, and aggregating records into the table (no server, no S
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 
@@ -188,3 +189,19 @@ def test_an_error_in_the_stream_is_raised_not_misread():
 
     with pytest.raises(RuntimeError, match="scheduler step failed"):
         asyncio.run(go())
+
+
+def test_time_split_differences_the_counters_over_a_level():
+    S = collections.namedtuple("S", "name value")
+    names = mt.SPLIT_SERIES
+    before = mt.counter_totals([S(names["queue_s"], 1.0), S(names["admitted"], 2), S("jaxspec_other", 9.0)])
+    after = mt.counter_totals([S(names["queue_s"], 4.0), S(names["admitted"], 5), S(names["to_first_s"], 6.0),
+                               S(names["prefill_tokens"], 30), S(names["prefill_padded"], 120),
+                               # labelled per draft length: summed
+                               S(names["decode_s"], 2.0), S(names["decode_s"], 3.5), S(names["decode_calls"], 7)])
+    t = mt.time_split(before, after)
+    assert t["queue_mean"] == 1.0 and t["to_first_mean"] == 2.0 and t["prefill_fill"] == 0.25
+    assert t["decode_s"] == 5.5 and t["decode_calls"] == 7
+    assert "queue 1.00 s + prefill 2.00 s" in mt.split_line(t)
+    # A server without these series (an older build, another engine) reads NaN means, not a crash.
+    assert math.isnan(mt.time_split(mt.counter_totals([]), mt.counter_totals([]))["queue_mean"])

@@ -38,6 +38,11 @@ def _stream_usage(url, model, messages):
     return text, usage
 
 
+PREFILL_SERIES = ("jaxspec_request_queue_time_seconds_count", "jaxspec_request_prefill_time_seconds_count",
+                  "jaxspec_prefill_tokens_total", "jaxspec_prefill_padded_tokens_total", "jaxspec_prefill_calls_total",
+                  "jaxspec_prefill_seconds_total")
+
+
 @pytest.fixture
 def cache_on(served):
     server, _ = served
@@ -51,6 +56,7 @@ def test_second_turn_reports_cached_tokens_and_equals_cache_off(served, cache_on
     server, url = served
     model = server.model_name
     hits0, queries0 = metric(url, "jaxspec_prefix_cache_hits_total"), metric(url, "jaxspec_prefix_cache_queries_total")
+    split0 = {k: metric(url, k) for k in PREFILL_SERIES}
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three rivers."}]
     first = _chat(url, model, turn1)
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -75,6 +81,14 @@ def test_second_turn_reports_cached_tokens_and_equals_cache_off(served, cache_on
     off = _chat(url, model, turn2)
     assert off["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert off["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    # The TTFT split: every request admitted once, and the prefill calls computed exactly the uncached
+    # prompt tokens (no preemption here), inside their padded shapes.
+    d = {k: metric(url, k) - split0[k] for k in PREFILL_SERIES}
+    prompts = [first["usage"]["prompt_tokens"]] + [second["usage"]["prompt_tokens"]] * 3
+    assert d["jaxspec_request_queue_time_seconds_count"] == d["jaxspec_request_prefill_time_seconds_count"] == 4
+    assert d["jaxspec_prefill_tokens_total"] == sum(prompts) - cached - usage["prompt_tokens_details"]["cached_tokens"]
+    assert d["jaxspec_prefill_padded_tokens_total"] >= d["jaxspec_prefill_tokens_total"]
+    assert d["jaxspec_prefill_calls_total"] >= 4 and d["jaxspec_prefill_seconds_total"] > 0
 
 
 def test_n_samples_share_the_prompt_and_stay_exact(served, cache_on):

@@ -232,16 +232,56 @@ async def run_level(url: str, model: str, convs: list[list[str]], concurrency: i
     return s
 
 
+# The server's counters behind a level's TTFT: summed over the level (after - before).
+SPLIT_SERIES = {"queue_s": "jaxspec_request_queue_time_seconds_sum", "admitted": "jaxspec_request_queue_time_seconds_count",
+                "to_first_s": "jaxspec_request_prefill_time_seconds_sum", "prefill_calls": "jaxspec_prefill_calls_total",
+                "prefill_s": "jaxspec_prefill_seconds_total", "prefill_tokens": "jaxspec_prefill_tokens_total",
+                "prefill_padded": "jaxspec_prefill_padded_tokens_total", "decode_calls": "jaxspec_decode_calls_total",
+                "decode_s": "jaxspec_spec_seconds_by_length_total"}
+
+
+def counter_totals(samples: list) -> dict[str, float]:
+    """SPLIT_SERIES from /metrics samples, labelled series summed (a server without them reads 0)."""
+    by_name = {v: k for k, v in SPLIT_SERIES.items()}
+    out = dict.fromkeys(SPLIT_SERIES, 0.0)
+    for s in samples:
+        if s.name in by_name:
+            out[by_name[s.name]] += s.value
+    return out
+
+
+def time_split(before: dict, after: dict) -> dict[str, float]:
+    """Where a level's TTFT went: mean queue (arrival to admission) and admission-to-first-token seconds
+    per request, and the prefill and decode calls' counts, seconds and padding."""
+    d = {k: after[k] - before[k] for k in SPLIT_SERIES}
+    n = d["admitted"]
+    return {"queue_mean": ratio(d["queue_s"], n), "to_first_mean": ratio(d["to_first_s"], n),
+            "prefill_calls": d["prefill_calls"], "prefill_s": d["prefill_s"],
+            "prefill_fill": ratio(d["prefill_tokens"], d["prefill_padded"]),
+            "decode_calls": d["decode_calls"], "decode_s": d["decode_s"]}
+
+
+def split_line(t: dict) -> str:
+    return (f"queue {t['queue_mean']:.2f} s + prefill {t['to_first_mean']:.2f} s mean per request; "
+            f"{t['prefill_calls']:.0f} prefill calls {t['prefill_s']:.1f} s ({100 * t['prefill_fill']:.0f}% of "
+            f"padded tokens real), {t['decode_calls']:.0f} decode calls {t['decode_s']:.1f} s")
+
+
 def run_server(url: str, model: str, convs, levels, args, label: dict) -> dict:
     """Every level against one server: {(C, spec, cache): summary}."""
+    from jaxspec.bench.servers import metric_samples
+
     # One short untagged request primes the HTTP path; not measured.
     asyncio.run(run_level(url, model, [["Hello"]], 1, 4, args.temperature))
     out = {}
     for c in levels:
+        before = counter_totals(metric_samples(url))
         s = out[(c, label["spec"], label["cache"])] = asyncio.run(
             run_level(url, model, convs, c, args.max_tokens, args.temperature))
+        s["split"] = time_split(before, counter_totals(metric_samples(url)))
         print(f"[{label['spec']}/cache {label['cache']}] C={c}: {s['requests']} requests, "
-              f"hit {100 * s['hit_rate']:.1f}%, {s['cut']} conversations cut at the context", flush=True)
+              f"hit {100 * s['hit_rate']:.1f}%, {s['cut']} conversations cut at the context; "
+              f"{split_line(s['split'])}", flush=True)
     return out
 
 

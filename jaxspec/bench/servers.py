@@ -69,3 +69,11 @@ def launched(model: str, overrides: dict, label: str, config: str | None = None,
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def metric_samples(url: str) -> list:
+    """The server's /metrics samples, fetched and parsed once."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in fam.samples]

@@ -61,6 +61,18 @@ class ServerMetrics:
         self._evicted_seen = self._queried = self._hit = 0
         self.preemptions = Counter(p + "preemptions", "Requests preempted (freed and recomputed later)", registry=r)
         self.decode_calls = Counter(p + "decode_calls", "Device decode calls", registry=r)
+        # Where TTFT goes (vLLM's request_queue_time / request_prefill_time), and what prefill calls cost:
+        # padded tokens are rows x chunk bucket, the work a call pays for; tokens, the prompt it advanced.
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to first admission",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(p + "request_prefill_time_seconds", "First admission to first token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_calls = Counter(p + "prefill_calls", "Device prefill calls", registry=r)
+        self.prefill_seconds = Counter(p + "prefill_seconds", "Seconds in device prefill calls", registry=r)
+        self.prefill_tokens = Counter(p + "prefill_tokens", "Prompt tokens prefilled (cache hits excluded)",
+                                      registry=r)
+        self.prefill_padded = Counter(p + "prefill_padded_tokens", "Rows x chunk bucket of each prefill call",
+                                      registry=r)
         # Per draft length and batch bucket: what the adaptive policy ran, what it cost, what it emitted
         # (tokens / seconds is each program's live throughput, the quantity the policy compares).
         by = ["draft_length", "batch_bucket"]
@@ -101,8 +113,19 @@ class ServerMetrics:
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
+    def first_admission(self, seq) -> None:
+        self.queue_time.observe(seq.admitted_time - seq.arrival)
+
     def first_token(self, seq) -> None:
         self.ttft.observe(seq.first_token_time - seq.arrival)
+        if seq.admitted_time is not None:
+            self.prefill_time.observe(seq.first_token_time - seq.admitted_time)
+
+    def prefill_call(self, seconds: float, tokens: int, padded: int) -> None:
+        self.prefill_calls.inc()
+        self.prefill_seconds.inc(seconds)
+        self.prefill_tokens.inc(tokens)
+        self.prefill_padded.inc(padded)
 
     def tokens_out(self, seq, n: int) -> None:
         self.generation_tokens.inc(n)

@@ -81,6 +81,7 @@ class Seq:
     shard: int | None = None  # the data shard it is pinned to while prefilling or running (split pages)
     status: Status = Status.WAITING
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    admitted_time: float | None = None  # first admission (metrics: queue time, then prefill time)
     first_token_time: float | None = None
     finish_reason: str | None = None
     cancelled: bool = False
@@ -335,9 +336,10 @@ class Scheduler:
             seq.status, seq.num_cached, seq.slot = Status.PREFILLING, hit, self._slots_of(shard).pop()
             seq.prefix_hit = hit
             if seq.cached_tokens is None:
-                seq.cached_tokens = hit
+                seq.cached_tokens, seq.admitted_time = hit, time.perf_counter()
                 if self.metrics is not None:
                     self.metrics.prefix_lookup(len(seq.prompt_ids), hit)
+                    self.metrics.first_admission(seq)
             self.prefilling.append(seq)
             pending.update(self._prefix_keys(seq))
 
@@ -385,7 +387,11 @@ class Scheduler:
         layout = self._layout([self.prefilling[i] for i in idx], r.prefill_batches)
         chunks = [None if s is None else
                   (self._row(s), s.num_cached, min(c, s.prefill_target - s.num_cached)) for s in layout]
+        t0 = time.perf_counter()
         first, first_lp = r.prefill_scored(chunks)
+        if self.metrics is not None:
+            self.metrics.prefill_call(time.perf_counter() - t0, sum(ch[2] for ch in chunks if ch is not None),
+                                      len(layout) * c)
         for seq, chunk, tok, lp in zip(layout, chunks, first, first_lp):
             if seq is None:
                 continue
