@@ -23,7 +23,7 @@ from jaxspec.bench import lower
 
 NAMES = ["prefill", "decode_plain", "spec_ngram_chain", "spec_ngram_tree", "prefill_standalone",
          "spec_standalone_chain", "spec_standalone_tree", "spec_eagle_chain", "prefill_eagle3", "spec_eagle3_tree",
-         "spec_medusa_tree", "prefill_dflash", "spec_dflash_chain", "spec_dspark_chain", "serve_prefill_b2_c16", "serve_decode_k0_b2_ctx32", "serve_decode_k3_b2_ctx32"]
+         "spec_medusa_tree", "prefill_dflash", "spec_dflash_chain", "spec_dspark_chain", "serve_prefill_b2_c16_ctx32", "serve_decode_k0_b2_ctx32", "serve_decode_k3_b2_ctx32"]
 # Plain decoding is the loop's k = 0 plan: its one-node verify is a loop like the others.
 LOOPS = [n for n in NAMES if n.startswith(("spec_", "serve_decode", "decode_plain"))]
 TREES = [n for n in LOOPS if "tree" in n]

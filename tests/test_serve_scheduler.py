@@ -61,11 +61,17 @@ def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
     server = build_server(config(path, **{"spec.algorithm": "ngram", "spec.topk": 2, "spec.num_steps": 3,
                                           "spec.num_draft_tokens": 8, "serve.adaptive": False,
                                           "engine.length_buckets": "8,16,32,128", "serve.max_prefill_batch": 4,
-                                          "serve.prefill_tokens": 32}), progress=False)
+                                          "serve.prefill_tokens": 32, "serve.context_buckets": "16,64"}),
+                          progress=False)
     assert server.runner.prefill_shapes == ((4, 8), (4, 16))
     assert not server.runner.plans[7].chain  # the fixed tree is served as configured
+    # Prefill calls attend over the context bucket of their furthest chunk end: 16 for the first
+    # chunks, 64 for the 22-token prompt's second; the reference engine's table is 128 wide.
+    run_prefill, widths = server.runner.run_prefill, []
+    server.runner.run_prefill = lambda key, x: widths.append((key[3], x["table"].shape[1])) or run_prefill(key, x)
     got, _ = run_all(server, PROMPTS, NEW)
     assert got == reference
+    assert set(widths) == {(16, 4), (64, 16)}
     text = server.metrics.render().decode()
     assert "jaxspec_spec_position_acceptance" in text and server.runner.allocator.num_used == 0
 

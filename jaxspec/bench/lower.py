@@ -177,7 +177,7 @@ def serve_entry_points(model, args, mesh=None):
                          prefill_chunk=args.prompt_len, max_prefill_batch=args.batch)
     for key in runner.all_keys():
         if key[0] == "prefill":
-            name = f"serve_prefill_b{key[1]}_c{key[2]}"
+            name = f"serve_prefill_b{key[1]}_c{key[2]}_ctx{key[3]}"
         else:
             name = f"serve_decode_k{key[1]}_b{key[2]}_ctx{key[3]}"
         yield name, lambda k=key: runner.trace(k)

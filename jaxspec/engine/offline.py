@@ -83,7 +83,7 @@ class Engine:
 
     def _keys(self, bucket, k: int) -> tuple[tuple, tuple]:
         b, lb, ctx = bucket
-        return ("prefill", b, lb), ("decode", k, b, ctx)
+        return ("prefill", b, lb, self.runner.prefill_context(lb, lb)), ("decode", k, b, ctx)
 
     def compile(self, buckets: Sequence[tuple[int, int, int]]) -> None:
         """AOT-compile prefill and decode for each (batch, prompt_len, context) bucket; with the
@@ -101,7 +101,7 @@ class Engine:
         """The traced program of ("prefill", batch, prompt_len, context) or ("decode", batch, context),
         at the configured draft shape (`jaxspec.bench.lower`)."""
         if key[0] == "prefill":
-            return self.runner.trace(("prefill", key[1], key[2]))
+            return self.runner.trace(("prefill", key[1], key[2], self.runner.prefill_context(key[2], key[2])))
         return self.runner.trace(("decode", self.depth, key[1], key[2]))
 
     # ---- generation --------------------------------------------------------------

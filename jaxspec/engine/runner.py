@@ -25,9 +25,11 @@ row of that shard's store. A `None` row is padding.
 
 Two executables per bucket:
 
-* `("prefill", b, chunk)`: one chunk of up to `chunk` prompt tokens per row
-  at cache slot `q_start` (target and drafter), and the token sampled at the
-  chunk's end (what a chunk that finishes the prompt emits);
+* `("prefill", b, chunk, ctx)`: one chunk of up to `chunk` prompt tokens per
+  row at cache slot `q_start` (target and drafter), and the token sampled at
+  the chunk's end (what a chunk that finishes the prompt emits), attending
+  over a page table `ctx` tokens wide (the context bucket of the call's
+  furthest chunk end, `prefill_context`);
 * `("decode", k, b, ctx)`: draft -> verify -> commit iterations inside one
   `lax.while_loop` (the `SpecState` carry of `jaxspec.speculative.loop`) with
   draft length k, for at most `steps_per_call` iterations (the server, so
@@ -41,8 +43,10 @@ compiled on first use and never stored (an executable with a host callback canno
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import gc
 import hashlib
 import sys
 import threading
@@ -59,6 +63,7 @@ from jaxspec.cache.prefix import PrefixCachingAllocator
 from jaxspec.config import EngineSection
 from jaxspec.engine.core import (decode_adapter, make_chunk_prefill_fn, prefill_adapter, row_state, spec_state,
                                  stateless, with_slots)
+from jaxspec.engine import mappings
 from jaxspec.engine.device_sampling import DeviceSampling
 from jaxspec.engine.types import RequestError, RowInput, RowOutput, TokenScores, bucket_for
 from jaxspec.models.config import ModelConfig
@@ -190,6 +195,8 @@ class ModelRunner:
         self._decode = {k: self._decode_fn(k) for k in self.candidates}
         self._prefill = self._prefill_fn()
         self._compiled: dict[tuple, object] = {}
+        self._last_used: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # least recent first
+        self.map_budget = mappings.MapBudget()
         self._compile_lock = threading.Lock()
         self.num_compiles = 0
         self.decode_seconds: dict[tuple, float] = {}  # (k, (batch, context)) -> seconds per iteration
@@ -345,9 +352,17 @@ class ModelRunner:
             used[d] += 1
         return out
 
+    def prefill_context(self, end: int, chunk: int) -> int:
+        """The page-table width of a prefill call whose furthest chunk ends at `end`, in a `chunk` bucket.
+        Attention over the table is the call's other cost beside the chunk's matmuls: a short chunk late
+        in a long context pays for what it reads, not for max_context (8 x 64 tokens: 1.7 s over 2048, 1.0 s
+        over 512 on 2 cores). At least the chunk's own bucket, so `all_keys` holds every key."""
+        return self.context_bucket(max(end, chunk))
+
     def all_keys(self, suffix: str = "") -> list[tuple]:
         """Every bucket's key; suffix GRAMMAR: their constrained builds."""
-        keys = [("prefill" + suffix, b, c) for b, c in self.prefill_shapes]
+        keys = [("prefill" + suffix, b, c, ctx) for b, c in self.prefill_shapes for ctx in self.context_buckets
+                if ctx >= self.context_bucket(c)]
         keys += [("decode" + suffix, k, b, ctx) for k in self.candidates for b in self.batch_buckets
                  for ctx in self.context_buckets]
         return keys
@@ -396,10 +411,36 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
-        for key in tqdm(todo, desc="compiling buckets", disable=not progress or not todo):
+        for i, key in enumerate(tqdm(todo, desc="compiling buckets", disable=not progress or not todo)):
             with self._compile_lock:  # the server's background warm-up compiles beside the scheduler
                 if key not in self._compiled:
+                    self._make_room(key, len(todo) - i)
+                    before = mappings.count()
                     self._compile_one(key)
+                    self.map_budget.observe(before, mappings.count())
+                    self._last_used[key] = None
+
+    def _make_room(self, key: tuple, pending: int) -> None:
+        """Before compiling `key`, keep the resident programs within vm.max_map_count (`engine.mappings`).
+        A structured-output build evicts the least recently used builds until it fits. A bucket needs
+        room for itself, the `pending` ones after it and one build: a serving runner that has none
+        refuses (at start-up, where all its buckets compile), an offline one evicts its least recently
+        used programs (they compile again when needed)."""
+        budget, grammar = self.map_budget, key[0].endswith(GRAMMAR)
+        need = 1 if grammar else pending + 1
+        for old in list(self._last_used):
+            if budget.room_for(need):
+                return
+            if old[0].endswith(GRAMMAR) or (self.steps_per_call is None and not grammar):
+                self._compiled.pop(old, None)
+                del self._last_used[old]
+                gc.collect()  # the executable's mappings go with its last reference
+        if not budget.room_for(need):
+            raise budget.refuse(need, len(self._compiled))
+
+    def has_room(self, n: int) -> bool:
+        """Whether `n` more programs fit without evicting any (the structured-output warm-up)."""
+        return self.map_budget.room_for(n)
 
     def _compile_one(self, key: tuple) -> None:
         fn, args = self._trace_args(key)
@@ -426,9 +467,9 @@ class ModelRunner:
         constrained = key[0].endswith(GRAMMAR)
         with self.mesh_context():
             if key[0].startswith("prefill"):
-                _, b, c = key
+                _, b, c, ctx = key
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-                batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.max_pages),
+                batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, -(-ctx // self.page_size)),
                                             DeviceSampling.abstract(b), i32(b, self.max_context), i32(b),
                                             jax.ShapeDtypeStruct((b,), jnp.bool_)),
                                            self.mesh, self.split_pages)
@@ -480,9 +521,11 @@ class ModelRunner:
     def prefill_inputs(self, chunks: Sequence[tuple[RowInput, int, int]]) -> tuple[tuple, dict]:
         b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
         c = bucket_for(max(ch[2] for ch in chunks if ch is not None), self.chunk_buckets, "prefill chunk")
+        ctx = self.prefill_context(max(ch[1] + ch[2] for ch in chunks if ch is not None), c)
+        width = -(-ctx // self.page_size)
         tokens = np.zeros((b, c), np.int32)
         q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
-        table = np.zeros((b, self.max_pages), np.int32)
+        table = np.zeros((b, width), np.int32)
         slots = np.full((b,), self.num_slots, np.int32)
         history, prompt_lens = np.zeros((b, self.max_context), np.int32), np.zeros((b,), np.int32)
         resume = np.zeros((b,), bool)
@@ -493,18 +536,20 @@ class ModelRunner:
             self._check_shard(i, b, row)
             tokens[i, :n] = row.tokens[start: start + n]
             q_start[i], lens[i], slots[i] = start, n, row.slot
-            table[i, : len(row.page_row)] = row.page_row
+            m = min(len(row.page_row), width)  # pages past the chunk's end (decode lookahead) are not read
+            table[i, :m] = row.page_row[:m]
             history[i, : start + n] = row.tokens[: start + n]
             prompt_lens[i] = row.prompt_len
             resume[i] = 0 < start == row.cached
         inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
                       sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b), history=history,
                       prompt_lens=prompt_lens, resume=resume)
-        return ("prefill" + _grammar_suffix(chunks and [ch and ch[0] for ch in chunks]), b, c), inputs
+        return ("prefill" + _grammar_suffix(chunks and [ch and ch[0] for ch in chunks]), b, c, ctx), inputs
 
     def run_prefill(self, key: tuple, inputs: dict) -> tuple[np.ndarray, tuple | None]:
         """(the token sampled at each row's chunk end [b], its logprob entries when a row asked, or None)."""
         self.compile([key])
+        self._last_used.move_to_end(key)
         try:
             x = shd.shard_batch(inputs, self.mesh)
             self.store, self.cache, first, lp = self._compiled[key](
@@ -567,6 +612,7 @@ class ModelRunner:
         """`fetch` of the state after the call."""
         state = self._state(shd.shard_batch(inputs, self.mesh), key[-1])
         self.compile([key])
+        self._last_used.move_to_end(key)
         try:
             self.store, state = self._compiled[key](self.params, self.draft_params, self.store,
                                                     shd.shard_batch(inputs["slots"], self.mesh), state)

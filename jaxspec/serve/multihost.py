@@ -31,7 +31,7 @@ def _broadcast(tree):
 
 def _header(key: tuple) -> np.ndarray:
     if key[0] == "prefill":
-        return np.array([1, key[1], key[2], 0], np.int32)
+        return np.array([1, key[1], key[2], key[3]], np.int32)
     if key[0] == "decode":
         return np.array([2, key[1], key[2], key[3]], np.int32)
     return np.zeros(4, np.int32)
@@ -41,8 +41,8 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
     """Zero host inputs of a bucket, shaped as `prefill_inputs` / `decode_inputs` build them."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     if key[0] == "prefill":
-        _, b, c = key
-        return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.max_pages),
+        _, b, c, ctx = key
+        return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, -(-ctx // runner.page_size)),
                     sampling=DeviceSampling.pack([], b), history=z(b, runner.max_context), prompt_lens=z(b),
                     resume=z(b, dtype=bool))
     _, _, b, ctx = key
@@ -88,7 +88,7 @@ def follow(runner: ModelRunner) -> int:
         op, a, b, c = (int(v) for v in _broadcast(np.zeros(4, np.int32)))
         if _OPS[op] == "stop":
             return calls
-        key = ("prefill", a, b) if _OPS[op] == "prefill" else ("decode", a, b, c)
+        key = ("prefill", a, b, c) if _OPS[op] == "prefill" else ("decode", a, b, c)
         inputs = _broadcast(input_template(runner, key))
         if key[0] == "prefill":
             runner.run_prefill(key, inputs)
