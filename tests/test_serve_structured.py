@@ -227,6 +227,50 @@ def test_grammar_builds_compile_in_the_background(chat_model_dir):
         server.shutdown()
 
 
+def test_programs_stay_within_vm_max_map_count(chat_model_dir, monkeypatch):
+    """XLA:CPU maps ~3 mappings per kernel, and a process past vm.max_map_count dies in LLVM (the default
+    server did, 2 minutes after it was ready). Counted here as 100 mappings per resident program under
+    a limit that holds the buckets and three more: the warm-up stops with room for two, a request's
+    build evicts the least recently used build (never a bucket) and is served, and a server whose
+    buckets cannot fit refuses at start-up, naming the limit."""
+    from jaxspec.engine import mappings
+    from jaxspec.engine.runner import GRAMMAR
+    from jaxspec.serve.server import build_server
+    from tests.serve_util import serve_config
+
+    small = {"spec.algorithm": "none", "engine.batch_buckets": "1", "engine.max_batch_size": 1,
+             "serve.context_buckets": "64", "serve.adaptive": False, "serve.grammar_warmup": True}
+    server = build_server(serve_config(chat_model_dir, **small), progress=False)
+    runner = server.runner
+    monkeypatch.setattr(mappings, "count", lambda: 1000 + 100 * len(runner._compiled))
+    buckets, builds = runner.all_keys(), runner.all_keys(GRAMMAR)
+    assert len(builds) > 3
+    runner.map_budget = mappings.MapBudget(max_maps=int((1000 + 100 * (len(buckets) + 3)) / (1 - mappings.RESERVE_FRACTION)) + 1)
+    try:
+        server.warm_up()
+        server._warmup.join(timeout=600)
+        resident = lambda: [k for k in runner._compiled if k[0].endswith(GRAMMAR)]  # noqa: E731
+        assert runner.map_budget.per_program == 100 and len(resident()) == 2  # stopped with room for two
+        for key in builds[2:]:
+            runner.compile([key])
+            assert set(buckets) <= set(runner._compiled) and key in runner._compiled and len(resident()) <= 3
+        assert set(resident()) == set(builds[-3:])  # the least recently used went first
+        seq = server.submit(server.tokenizer.encode("Hi", add_special_tokens=False),
+                            _params({"guided_choice": ["on", "off"]}), 0, lambda e: None, "prompt")
+        assert _wait(lambda: seq.finish_reason is not None) and seq.finish_reason == "stop"
+        assert len(resident()) == 3 and set(buckets) <= set(runner._compiled)
+    finally:
+        server.shutdown()
+    # Control: room for fewer than the buckets. The first program is measured, the rest refused.
+    server = build_server(serve_config(chat_model_dir, **small), progress=False)
+    monkeypatch.setattr(mappings, "count", lambda: 1000 + 100 * len(server.runner._compiled))
+    server.runner.map_budget = mappings.MapBudget(max_maps=1000 + 100 * len(buckets))
+    with pytest.raises(mappings.MapLimitError, match="vm.max_map_count is"):
+        server.warm_up()
+    assert "vm.max_map_count" in server.startup_error and len(server.runner._compiled) == 1
+    server.shutdown()
+
+
 def _params(extra):
     from jaxspec.serve.protocol import parse_gen_params
 

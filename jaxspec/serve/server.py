@@ -76,8 +76,13 @@ class Server:
 
         t0 = time.perf_counter()
         try:
-            for key in self.runner.all_keys(GRAMMAR):
+            keys = self.runner.all_keys(GRAMMAR)
+            for i, key in enumerate(keys):
                 if self.draining or self._stop_warmup:
+                    return
+                if not self.runner.has_room(2):  # leave a request room to compile its own, evicting none
+                    log.info("structured-output warm-up stopped after %d of %d builds: the process is near "
+                             "vm.max_map_count; the rest compile on first use (jaxspec/engine/mappings.py)", i, len(keys))
                     return
                 self.runner.compile([key])
         except Exception:  # a request compiles what it needs anyway
