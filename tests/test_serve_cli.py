@@ -12,10 +12,20 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.serve_util import SERVE_CFG, free_port, wait_until_healthy
+from tests.serve_util import NUM_PAGES, SERVE_CFG, free_port, metric, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Both servers share one XLA cache (their configurations are the same), so the second start loads
+    what the first compiled: the no-recompile checks live in-process (tests/test_serve.py), these test
+    the command line."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -33,12 +43,11 @@ def listening_addresses(port: int) -> set[str]:
     return out
 
 
-def test_cli_compiles_logs_the_url_and_serves(chat_model_dir):
+def test_cli_compiles_logs_the_url_and_serves(chat_model_dir, env):
     port = free_port()
     sets = [a for k, v in SERVE_CFG.items() if not k.startswith("engine.num_pages") for a in ("--set", f"{k}={v}")]
     cmd = [sys.executable, "-m", "jaxspec.serve", "--model", str(chat_model_dir), "--port", str(port),
-           "--api-key", "k3y", "--served-model-name", "tiny", "--num-pages", "40", *sets]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+           "--api-key", "k3y", "--served-model-name", "tiny", "--num-pages", str(NUM_PAGES), *sets]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = []
     try:
@@ -58,6 +67,7 @@ def test_cli_compiles_logs_the_url_and_serves(chat_model_dir):
         assert r.status_code == 200 and r.json()["model"] == "tiny"
         assert saw_starting
         assert listening_addresses(port) == {"127.0.0.1"}  # loopback only by default
+        assert metric(url, "jaxspec_kv_pages_free") == NUM_PAGES - 1  # --num-pages (less the null page)
         h = {"authorization": "Bearer k3y"}
         assert httpx.get(url + "/v1/models", headers=h).json()["data"][0]["id"] == "tiny"
         assert httpx.get(url + "/v1/models").status_code == 401
@@ -79,7 +89,7 @@ def test_cli_compiles_logs_the_url_and_serves(chat_model_dir):
     assert proc.returncode in (0, -signal.SIGINT)
 
 
-def test_sigterm_drains_open_streams_and_exits_0(chat_model_dir):
+def test_sigterm_drains_open_streams_and_exits_0(chat_model_dir, env):
     """Issue 23: SIGTERM with streams open exited 143 and cut every stream (no finish_reason, no
     error event, no [DONE]). Now: no new requests, running ones get --shutdown-grace (0 here, so
     the running ones are ended), each stream closes with a finish or an error event and [DONE],
@@ -91,7 +101,6 @@ def test_sigterm_drains_open_streams_and_exits_0(chat_model_dir):
     sets = [a for k, v in SERVE_CFG.items() for a in ("--set", f"{k}={v}")]
     cmd = [sys.executable, "-m", "jaxspec.serve", "--model", str(chat_model_dir), "--port", str(port),
            "--served-model-name", "tiny", "--shutdown-grace", "0", *sets]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     results, started = {}, threading.Semaphore(0)
