@@ -382,3 +382,37 @@ def test_prefill_planner_always_moves_the_oldest_within_budget_and_shard_caps(pe
         nxt = idx + [len(idx)]
         c2 = next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in nxt))
         assert (rows([pending[i][0] for i in nxt]), c2) not in shapes
+
+
+def test_make_room_evicts_least_recent_evictable_programs_then_refuses(monkeypatch):
+    """mappings.make_room, counted at 100 mappings per program: evicts what `evictable` allows, least
+    recently used first, stops as soon as `need` fit, and refuses (naming vm.max_map_count) when the
+    rest cannot go. Control: with nothing evictable the same need is refused at once."""
+    import collections
+
+    from jaxspec.engine import mappings
+
+    def setup():
+        compiled = {k: object() for k in ("a", "g1", "b", "g2")}
+        last_used = collections.OrderedDict((k, None) for k in ("a", "g1", "b", "g2"))  # least recent first
+        monkeypatch.setattr(mappings, "count", lambda: 1000 + 100 * len(compiled))
+        budget = mappings.MapBudget(max_maps=int((1000 + 100 * 5) / (1 - mappings.RESERVE_FRACTION)) + 1)
+        budget.per_program = 100
+        return compiled, last_used, budget
+
+    compiled, last_used, budget = setup()  # 4 resident, room for 5: one more fits as is
+    mappings.make_room(budget, last_used, compiled, 1, lambda k: True)
+    assert list(compiled) == ["a", "g1", "b", "g2"]
+    grammar = lambda k: k.startswith("g")  # noqa: E731
+    mappings.make_room(budget, last_used, compiled, 2, grammar)  # one must go: the least recent build
+    assert list(compiled) == ["a", "b", "g2"] and list(last_used) == ["a", "b", "g2"]
+    with pytest.raises(mappings.MapLimitError, match="vm.max_map_count is"):
+        mappings.make_room(budget, last_used, compiled, 4, grammar)  # g2 goes too, a and b may not
+    assert list(compiled) == ["a", "b"]
+    compiled, last_used, budget = setup()
+    mappings.make_room(budget, last_used, compiled, 3, lambda k: True)  # offline: anything, oldest first
+    assert list(compiled) == ["b", "g2"]
+    compiled, last_used, budget = setup()
+    with pytest.raises(mappings.MapLimitError):
+        mappings.make_room(budget, last_used, compiled, 2, lambda k: False)
+    assert len(compiled) == 4

@@ -15,7 +15,9 @@ counted and nothing is refused.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
+from typing import Callable
 
 # Left free for what the runner does not count: other jitted helpers (the prompt scorer, host
 # sampling), threads' stacks, the allocator's arenas, and a grammar build larger than the rest.
@@ -71,3 +73,17 @@ class MapBudget:
             f"vm.max_map_count is {self.max_maps:,}, less {RESERVE_FRACTION:.0%} kept free. Raise it "
             f"(`sudo sysctl -w vm.max_map_count=262144`), or compile fewer buckets: serve.context_buckets, "
             f"serve.prefill_tokens, serve.max_prefill_batch, serve.adaptive_steps, engine.batch_buckets")
+
+
+def make_room(budget: MapBudget, last_used: dict, compiled: dict, need: int, evictable: Callable[[tuple], bool]) -> None:
+    """Evict `evictable` programs, least recently used first (`last_used` in that order), until `need`
+    more fit; raise MapLimitError if they still do not."""
+    for old in list(last_used):
+        if budget.room_for(need):
+            return
+        if evictable(old):
+            compiled.pop(old, None)
+            del last_used[old]
+            gc.collect()  # the executable's mappings go with its last reference
+    if not budget.room_for(need):
+        raise budget.refuse(need, len(compiled))

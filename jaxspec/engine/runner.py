@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import gc
 import hashlib
 import sys
 import threading
@@ -421,22 +420,14 @@ class ModelRunner:
                     self._last_used[key] = None
 
     def _make_room(self, key: tuple, pending: int) -> None:
-        """Before compiling `key`, keep the resident programs within vm.max_map_count (`engine.mappings`).
-        A structured-output build evicts the least recently used builds until it fits. A bucket needs
-        room for itself, the `pending` ones after it and one build: a serving runner that has none
-        refuses (at start-up, where all its buckets compile), an offline one evicts its least recently
-        used programs (they compile again when needed)."""
-        budget, grammar = self.map_budget, key[0].endswith(GRAMMAR)
-        need = 1 if grammar else pending + 1
-        for old in list(self._last_used):
-            if budget.room_for(need):
-                return
-            if old[0].endswith(GRAMMAR) or (self.steps_per_call is None and not grammar):
-                self._compiled.pop(old, None)
-                del self._last_used[old]
-                gc.collect()  # the executable's mappings go with its last reference
-        if not budget.room_for(need):
-            raise budget.refuse(need, len(self._compiled))
+        """Before compiling `key` (`mappings.make_room`): a structured-output build may evict the least
+        recently used builds; a bucket needs room for itself, the `pending` ones after it and one build,
+        which a serving runner refuses without (at start-up, where all its buckets compile) and an
+        offline one makes by evicting its least recently used programs (compiled again when needed)."""
+        grammar = key[0].endswith(GRAMMAR)
+        offline = self.steps_per_call is None and not grammar
+        mappings.make_room(self.map_budget, self._last_used, self._compiled, 1 if grammar else pending + 1,
+                           lambda old: old[0].endswith(GRAMMAR) or offline)
 
     def has_room(self, n: int) -> bool:
         """Whether `n` more programs fit without evicting any (the structured-output warm-up)."""
