@@ -67,11 +67,19 @@ def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
     assert not server.runner.plans[7].chain  # the fixed tree is served as configured
     # Prefill calls attend over the context bucket of their furthest chunk end: 16 for the first
     # chunks, 64 for the 22-token prompt's second; the reference engine's table is 128 wide.
-    run_prefill, widths = server.runner.run_prefill, []
-    server.runner.run_prefill = lambda key, x: widths.append((key[3], x["table"].shape[1])) or run_prefill(key, x)
+    run_prefill, widths, padded = server.runner.run_prefill, [], []
+    server.runner.run_prefill = lambda key, x: (widths.append((key[3], x["table"].shape[1])),
+                                                padded.append(x["tokens"].size))[0] or run_prefill(key, x)
     got, _ = run_all(server, PROMPTS, NEW)
     assert got == reference
     assert set(widths) == {(16, 4), (64, 16)}
+    # /metrics counts what the calls ran: rows (padding rows included) x chunk bucket.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {m.name: m.value for f in text_string_to_metric_families(server.metrics.render().decode())
+              for m in f.samples}
+    assert values["jaxspec_prefill_padded_tokens_total"] == sum(padded)
+    assert values["jaxspec_prefill_calls_total"] == len(padded)
     text = server.metrics.render().decode()
     assert "jaxspec_spec_position_acceptance" in text and server.runner.allocator.num_used == 0
 

@@ -390,8 +390,9 @@ class Scheduler:
         t0 = time.perf_counter()
         first, first_lp = r.prefill_scored(chunks)
         if self.metrics is not None:
+            rows = bucket_for(len(layout), r.prefill_batches, "prefill batch")  # what ran, padding rows too
             self.metrics.prefill_call(time.perf_counter() - t0, sum(ch[2] for ch in chunks if ch is not None),
-                                      len(layout) * c)
+                                      rows * c)
         for seq, chunk, tok, lp in zip(layout, chunks, first, first_lp):
             if seq is None:
                 continue
