@@ -2,8 +2,9 @@
 
 XLA:CPU maps every compiled kernel's code and data into the process, three mappings per kernel.
 A 30-layer SmolLM2 program has 300-360 kernels with its layers unrolled (the CPU default), so
-900-1,100 mappings (measured per serve bucket). Linux caps a process at `vm.max_map_count` (65,530 by default). Past it the next mmap
-fails, and LLVM aborts the whole process ("Unable to allocate section memory"). The default
+900-1,100 mappings (measured per serve bucket). Linux caps a process at `vm.max_map_count` (65,530
+by default). Past it the next mmap fails, and LLVM aborts the whole process ("Unable to allocate
+section memory"). The default
 server (37 buckets, then their 37 structured-output builds in the background) died this way two
 minutes after it was ready.
 
@@ -77,13 +78,14 @@ class MapBudget:
 
 def make_room(budget: MapBudget, last_used: dict, compiled: dict, need: int, evictable: Callable[[tuple], bool]) -> None:
     """Evict `evictable` programs, least recently used first (`last_used` in that order), until `need`
-    more fit; raise MapLimitError if they still do not."""
-    for old in list(last_used):
+    more fit; raise MapLimitError if they still do not. The count (a read of /proc/self/maps, ~60K
+    lines near the limit) is taken again only after an eviction."""
+    if budget.room_for(need):
+        return
+    for old in [k for k in last_used if evictable(k)]:
+        compiled.pop(old, None)
+        del last_used[old]
+        gc.collect()  # the executable's mappings go with its last reference
         if budget.room_for(need):
             return
-        if evictable(old):
-            compiled.pop(old, None)
-            del last_used[old]
-            gc.collect()  # the executable's mappings go with its last reference
-    if not budget.room_for(need):
-        raise budget.refuse(need, len(compiled))
+    raise budget.refuse(need, len(compiled))

@@ -327,7 +327,11 @@ class ModelRunner:
 
     @property
     def max_pages(self) -> int:
-        return -(-self.context_buckets[-1] // self.page_size)
+        return self.table_width(self.context_buckets[-1])
+
+    def table_width(self, ctx: int) -> int:
+        """Page-table columns of a call over a `ctx`-token context bucket (prefill and decode alike)."""
+        return -(-ctx // self.page_size)
 
     def context_bucket(self, num_tokens: int) -> int:
         return bucket_for(num_tokens, self.context_buckets, "context")
@@ -400,7 +404,7 @@ class ModelRunner:
         """The decode call's state without the drafter's (that comes from the store)."""
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         return spec_state(
-            cache=self.cache, draft=None, page_table=i32(b, -(-ctx // self.page_size)), history=i32(b, ctx),
+            cache=self.cache, draft=None, page_table=i32(b, self.table_width(ctx)), history=i32(b, ctx),
             hist_len=i32(b), prompt_lens=i32(b), done=jax.ShapeDtypeStruct((b,), jnp.bool_),
             sampling=DeviceSampling.abstract(b), accept_width=self.accept_width(ctx), corpus=self.corpus,
             zeros=jax.ShapeDtypeStruct,
@@ -460,7 +464,7 @@ class ModelRunner:
             if key[0].startswith("prefill"):
                 _, b, c, ctx = key
                 i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-                batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, -(-ctx // self.page_size)),
+                batch = shd.abstract_state((i32(b), i32(b, c), i32(b), i32(b), i32(b, self.table_width(ctx)),
                                             DeviceSampling.abstract(b), i32(b, self.max_context), i32(b),
                                             jax.ShapeDtypeStruct((b,), jnp.bool_)),
                                            self.mesh, self.split_pages)
@@ -513,7 +517,7 @@ class ModelRunner:
         b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
         c = bucket_for(max(ch[2] for ch in chunks if ch is not None), self.chunk_buckets, "prefill chunk")
         ctx = self.prefill_context(max(ch[1] + ch[2] for ch in chunks if ch is not None), c)
-        width = -(-ctx // self.page_size)
+        width = self.table_width(ctx)
         tokens = np.zeros((b, c), np.int32)
         q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
         table = np.zeros((b, width), np.int32)
@@ -570,7 +574,7 @@ class ModelRunner:
 
     def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
         b = bucket_for(len(rows), self.batch_buckets, "batch size")
-        maxp = -(-ctx // self.page_size)
+        maxp = self.table_width(ctx)
         history = np.zeros((b, ctx), np.int32)
         hist_len, prompt_lens = np.ones((b,), np.int32), np.zeros((b,), np.int32)
         slots = np.full((b,), self.num_slots, np.int32)

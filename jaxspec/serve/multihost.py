@@ -42,11 +42,11 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     if key[0] == "prefill":
         _, b, c, ctx = key
-        return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, -(-ctx // runner.page_size)),
+        return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.table_width(ctx)),
                     sampling=DeviceSampling.pack([], b), history=z(b, runner.max_context), prompt_lens=z(b),
                     resume=z(b, dtype=bool))
     _, _, b, ctx = key
-    return dict(table=z(b, -(-ctx // runner.page_size)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
+    return dict(table=z(b, runner.table_width(ctx)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
                 done=z(b, dtype=bool), slots=z(b), sampling=DeviceSampling.pack([], b))
 
 
