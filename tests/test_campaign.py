@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, init_head, plot_curve
+from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, init_head, plan_round, plot_curve
 
 
 def _round(n, start_tokens, tokens, tau_before, tau_after, shipped):
@@ -66,3 +66,18 @@ def test_a_frozen_kv_campaign_captures_what_its_recipe_reads():
     assert fkv.request(SimpleNamespace(num_layers=30)).layers == tuple(cfg.target_kv_layers) == (28, 29)
     assert e3.request(SimpleNamespace(num_layers=30)).layers == (2, 15, 27) and e3.heldout == "heldout"
     assert fkv.heldout != e3.heldout  # their held-out caches capture different layers
+
+
+def test_a_used_up_train_split_starts_a_regenerated_epoch():
+    """Round 14 found the ShareGPT train split used up: the next round wraps to FIRST_UNUSED in epoch 2
+    and regenerates only (raw text would repeat); a round near the end is clipped to the split."""
+    size = 17_047
+    assert plan_round({"next_conversation": 16_624}, 800, 32, size) == {
+        "first": 16_624, "raw": 423, "regen": 0, "epoch": 1}
+    assert plan_round({"next_conversation": 16_000}, 800, 32, size) == {
+        "first": 16_000, "raw": 800, "regen": 32, "epoch": 1}
+    wrapped = plan_round({"next_conversation": 17_056}, 800, 384, size)
+    assert wrapped == {"first": FIRST_UNUSED, "raw": 0, "regen": 384, "epoch": 2}
+    assert plan_round({"next_conversation": FIRST_UNUSED + 384, "epoch": 2}, 800, 384, size) == {
+        "first": FIRST_UNUSED + 384, "raw": 0, "regen": 384, "epoch": 2}
+    assert plan_round({"next_conversation": size, "epoch": 2}, 0, 10, size)["epoch"] == 3

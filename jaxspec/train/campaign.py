@@ -69,6 +69,27 @@ def _state(head: Path) -> dict:
     return {"next_conversation": FIRST_UNUSED, "tokens_seen": 760_000, "rounds": []}
 
 
+def plan_round(state: dict, raw: int, regen: int, train_size: int) -> dict:
+    """Where the next round reads: {first, raw, regen, epoch}. The first epoch reads ShareGPT's own
+    answers once (round 14 found the train split used up at conversation 17,047, 4.98M tokens);
+    later epochs start again at FIRST_UNUSED and regenerate only, since raw text would repeat tokens
+    already trained on while the target's answers (every second one sampled, seeded per epoch) are new."""
+    epoch, first = state.get("epoch", 1), state["next_conversation"]
+    if first >= train_size:
+        epoch, first = epoch + 1, FIRST_UNUSED
+    if epoch > 1:
+        raw = 0
+    raw = min(raw, train_size - first)
+    regen = min(regen, train_size - first - raw)
+    return {"first": first, "raw": raw, "regen": regen, "epoch": epoch}
+
+
+def train_split_size() -> int:
+    from jaxspec.train.sharegpt import sharegpt_conversations
+
+    return sum(1 for _ in sharegpt_conversations("train"))
+
+
 def _done(marker: Path) -> bool:
     return marker.exists()
 
@@ -78,7 +99,7 @@ def _mark(marker: Path, data: dict | None = None) -> None:
 
 
 def build_round_data(work: Path, first: int, raw: int, regen: int, heldout: int, model,
-                     campaign: Campaign = CAMPAIGNS["eagle3"]) -> dict:
+                     campaign: Campaign = CAMPAIGNS["eagle3"], seed: int = 0) -> dict:
     from jaxspec.train.data import prepare_data
 
     req = campaign.request(model.config)
@@ -92,7 +113,7 @@ def build_round_data(work: Path, first: int, raw: int, regen: int, heldout: int,
         c = prepare_data("default", out_dir=work / "regen", num_conversations=regen, source="regenerate",
                          temperature=0.0, sampled_every=2, sampled_temperature=0.7, max_len=384,
                          max_new_tokens=256, batch=32, feature_request=req, model=model,
-                         first_conversation=first + raw)
+                         first_conversation=first + raw, seed=seed)
         out["regen_tokens"] = sum(s["num_tokens"] for s in c.shards)
     prepare_data("default", out_dir=work.parent / campaign.heldout, num_conversations=heldout, source="regenerate",
                  temperature=0.0, max_len=384, max_new_tokens=256, batch=32, feature_request=req, model=model,
@@ -149,14 +170,24 @@ def run_round(args) -> int:
     rnum = len(state["rounds"]) + 1
     work = Path(args.work) / f"round{rnum}"
     work.mkdir(parents=True, exist_ok=True)
-    first = state["next_conversation"]
+    plan = plan_round(state, args.raw, args.regen, train_split_size())
+    first = plan["first"]
     model = load_model("default", progress=False)
     log = lambda msg: print(f"[campaign round {rnum}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
     # 1. Data (each cache resumes shard by shard).
     if not _done(work / "data.done"):
-        log(f"data: conversations {first}.. ({args.raw} raw, {args.regen} regenerated)")
-        _mark(work / "data.done", build_round_data(work, first, args.raw, args.regen, args.heldout, model, campaign))
+        if plan["raw"] < args.raw:
+            log(f"epoch {plan['epoch']}: {plan['raw']} of the {args.raw} raw conversations asked for "
+                "(ShareGPT's own answers are read once; later epochs regenerate)")
+        log(f"data: conversations {first}.. ({plan['raw']} raw, {plan['regen']} regenerated)")
+        built = build_round_data(work, first, plan["raw"], plan["regen"], args.heldout, model, campaign,
+                                 seed=plan["epoch"] - 1)
+        if not built.get("raw_tokens") and not built.get("regen_tokens"):
+            log(f"error: conversations {first}.. gave no training tokens (--raw {plan['raw']}, "
+                f"--regen {plan['regen']}); nothing to train on")
+            return 2
+        _mark(work / "data.done", built)
     data = json.loads((work / "data.done").read_text())
     log(f"data: {data}")
 
@@ -200,7 +231,8 @@ def run_round(args) -> int:
     lines = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln]
     heldout = [ln["eval"] for ln in lines if "eval" in ln]
     round_tokens = lines[-1]["tokens"] if lines else 0
-    entry = {"round": rnum, "date": time.strftime("%Y-%m-%d"), "conversations": [first, first + args.raw + args.regen],
+    entry = {"round": rnum, "date": time.strftime("%Y-%m-%d"), "conversations": [first, first + plan["raw"] + plan["regen"]],
+             "epoch": plan["epoch"],
              "data": data, "steps": steps, "round_tokens": round_tokens,
              "init": "shipped" if init == head else f"round {rnum - 1} candidate",
              "tokens_seen": init_tokens + round_tokens, "heldout_last": heldout[-1] if heldout else None,
@@ -216,7 +248,8 @@ def run_round(args) -> int:
         log(f"shipped: tau {ev['shipped']['tau']} -> {ev['candidate']['tau']}")
     else:
         log(f"not shipped: tau {ev['shipped']['tau']} -> {ev['candidate']['tau']}")
-    state["next_conversation"] = first + args.raw + args.regen
+    state["next_conversation"] = first + plan["raw"] + plan["regen"]
+    state["epoch"] = plan["epoch"]
     state["rounds"].append(entry)
     if not args.dry_run:
         (head / "campaign.json").write_text(json.dumps(state, indent=1) + "\n")
