@@ -329,17 +329,39 @@ def _plan(pending, batches=BATCHES, budget=512):
     return plan_prefill(pending, _shapes(batches, CHUNKS, budget), CHUNKS, _rows(batches), 256)
 
 
+def _fifo_plan(pending, shapes, rows):
+    """The planner before 2026-12-05, as the reference: oldest first, each row's need sets the chunk."""
+    from jaxspec.engine.types import bucket_for
+
+    taken, bucket = [], 0
+    for i, (_, left) in enumerate(pending):
+        c = max(bucket, bucket_for(min(256, left), CHUNKS, "chunk"))
+        r = rows([pending[j][0] for j in taken + [i]])
+        if taken and r is None:
+            continue
+        if taken and (r, c) not in shapes:
+            break
+        taken.append(i)
+        bucket = c
+    return taken, bucket
+
+
+def _finished(pending, plan):
+    idx, c = plan
+    return sum(1 for i in idx if pending[i][1] <= c)
+
+
 def test_prefill_planner_keeps_long_prompts_at_two_full_rows():
-    assert _plan([(0, 900), (0, 700), (0, 1500), (0, 300)]) == ([0, 1], 256)  # the old fixed shape
+    assert _plan([(0, 900), (0, 700), (0, 1500), (0, 300)]) == ([1, 3], 256)  # the shortest two, no padding
 
 
 def test_prefill_planner_packs_short_cache_hit_turns_within_the_budget():
     pending = [(0, n) for n in (50, 61, 40, 33, 64, 58, 47, 62, 49)]
-    assert _plan(pending) == (list(range(8)), 64)  # eight turns finish in one 512-token call
-    # Control: under the old row cap of two the same queue finishes only two per call.
-    assert _plan(pending, batches=(1, 2)) == ([0, 1], 64)
-    # One turn of 100 tokens makes the chunk 128: four rows fit.
-    assert _plan([(0, 50), (0, 100)] + pending) == ([0, 1, 2, 3], 128)
+    assert _plan(pending) == ([0, 1, 2, 3, 5, 6, 7, 8], 64)  # the eight shortest finish in one 512-token call
+    # Control: under a row cap of two the same queue finishes only the two shortest per call.
+    assert _plan(pending, batches=(1, 2)) == ([2, 3], 64)
+    # One turn of 100 tokens does not hold the chunk at 128: it waits, the eight shortest finish.
+    assert _plan([(0, 50), (0, 100)] + pending) == ([0, 2, 3, 4, 5, 7, 8, 10], 64)
 
 
 def test_prefill_planner_passes_over_a_full_data_shard():
@@ -351,18 +373,32 @@ def test_prefill_planner_passes_over_a_full_data_shard():
         return next((b for b in batches if b // 2 >= max(of.count(d) for d in range(2))), None)
 
     pending = [(0, 50), (0, 40), (0, 30), (1, 60)]
-    assert plan_prefill(pending, _shapes(batches, CHUNKS, 512), CHUNKS, rows, 256) == ([0, 1, 3], 64)
+    assert plan_prefill(pending, _shapes(batches, CHUNKS, 512), CHUNKS, rows, 256) == ([1, 2, 3], 64)
 
 
-def test_prefill_planner_lets_a_short_prompt_ride_with_a_long_one():
-    assert _plan([(0, 1000), (0, 50)]) == ([0, 1], 256)  # as two fixed rows did: it finishes now
-    assert _plan([(0, 50), (0, 1000), (0, 40)]) == ([0, 1], 256)  # FIFO: the third waits
+def test_prefill_planner_lets_short_turns_pass_a_long_prompt_until_it_is_urgent():
+    """A short turn rides beside a long prompt's chunk (it fills its row exactly); two short turns go
+    before it, where oldest-first held them behind a 256-token chunk. Once the scheduler marks the long
+    prompt urgent (passed over MAX_PREFILL_SKIPS calls) it is taken whatever waits."""
+    from jaxspec.serve.scheduler import plan_prefill
+
+    assert _plan([(0, 1000), (0, 50)]) == ([0, 1], 64)
+    pending = [(0, 1000), (0, 50), (0, 40)]
+    assert _plan(pending) == ([1, 2], 64)
+    assert _fifo_plan(pending, _shapes(BATCHES, CHUNKS, 512), _rows(BATCHES)) == ([0, 1], 256)  # control
+    shorts = [(0, 30 + k) for k in range(9)]
+    assert 0 not in _plan([(0, 1000)] + shorts)[0]
+    idx, c = plan_prefill([(0, 1000)] + shorts, _shapes(BATCHES, CHUNKS, 512), CHUNKS, _rows(BATCHES), 256, urgent=0)
+    assert idx[0] == 0 and len(idx) > 1
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 2000)), min_size=1, max_size=12),
-       st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2]))
-def test_prefill_planner_always_moves_the_oldest_within_budget_and_shard_caps(pending, budget, shards):
+       st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2]), st.booleans())
+def test_prefill_planner_stays_within_budget_and_shard_caps_and_finishes_no_fewer(pending, budget, shards, urgent):
+    """Every plan is a compiled shape within the shard caps, takes the shortest (or the urgent) sequence,
+    sizes its chunk to what its rows take (none larger than needed), and brings at least as many sequences to their first token
+    as the oldest-first reference did on one shard."""
     from jaxspec.serve.scheduler import plan_prefill
 
     pending = [(s % shards, n) for s, n in pending]
@@ -372,16 +408,15 @@ def test_prefill_planner_always_moves_the_oldest_within_budget_and_shard_caps(pe
     def rows(of):  # split pages: every shard's rows fit its slice of the bucket
         return next((b for b in batches if b // shards >= max(of.count(d) for d in range(shards))), None)
 
-    idx, c = plan_prefill(pending, shapes, CHUNKS, rows, 256)
-    assert idx and idx[0] == 0 and idx == sorted(set(idx))  # the oldest always moves
-    if shards == 1:
-        assert idx == list(range(len(idx)))  # a FIFO prefix
-    assert c == next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in idx))
+    first = len(pending) - 1 if urgent else None
+    idx, c = plan_prefill(pending, shapes, CHUNKS, rows, 256, urgent=first)
+    assert idx and idx == sorted(set(idx))
+    must = first if urgent else min(range(len(pending)), key=lambda i: (pending[i][1], i))
+    assert must in idx
+    assert c <= 256 and c == next(x for x in CHUNKS if x >= max(min(c, pending[i][1]) for i in idx))  # no spare
     assert (rows([pending[i][0] for i in idx]), c) in shapes  # a compiled program, within the budget
-    if shards == 1 and len(idx) < len(pending):  # it stopped because the next one did not fit
-        nxt = idx + [len(idx)]
-        c2 = next(x for x in CHUNKS if x >= max(min(256, pending[i][1]) for i in nxt))
-        assert (rows([pending[i][0] for i in nxt]), c2) not in shapes
+    if shards == 1 and not urgent:
+        assert _finished(pending, (idx, c)) >= _finished(pending, _fifo_plan(pending, shapes, rows))
 
 
 def test_make_room_evicts_least_recent_evictable_programs_then_refuses(monkeypatch):

@@ -4,7 +4,8 @@ One scheduler step:
 
 1. take new sequences and cancellations from the inbox; free cancelled ones;
 2. admit waiting sequences (FIFO) while a batch slot and KV pages are free;
-3. one chunked-prefill call for sequences still prefilling;
+3. one chunked-prefill call for sequences still prefilling (`plan_prefill`:
+   fewest tokens left first, the shape finishing most with least padding);
 4. one decode call of up to `steps_per_call` speculative iterations for the
    running batch, after giving each row pages for the call (preempting the
    newest sequence when the pool is dry; it is recomputed later).
@@ -82,6 +83,7 @@ class Seq:
     status: Status = Status.WAITING
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     admitted_time: float | None = None  # first admission (metrics: queue time, then prefill time)
+    prefill_skips: int = 0  # prefill calls that passed it over since it last ran (plan_prefill's urgent)
     first_token_time: float | None = None
     finish_reason: str | None = None
     cancelled: bool = False
@@ -104,32 +106,58 @@ class Seq:
         return len(self.tokens) - (1 if self.num_generated else 0)
 
 
+CALL_OVERHEAD_TOKENS = 32  # a prefill call's fixed cost (weights read, dispatch) in tokens of compute
+MAX_PREFILL_SKIPS = 8  # prefill calls a sequence may be passed over before it is taken first
+
+
 def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], ...], chunk_buckets: tuple[int, ...],
-                 padded_rows: Callable[[list[int]], int | None], chunk: int) -> tuple[list[int], int]:
-    """The next prefill call: which of `pending` it takes (indices) and its chunk bucket.
+                 padded_rows: Callable[[list[int]], int | None], chunk: int, *,
+                 urgent: int | None = None) -> tuple[list[int], int]:
+    """The next prefill call: which of `pending` it takes (indices, ascending) and its chunk bucket.
 
     pending: (data shard, prompt tokens left) per prefilling sequence, oldest first. shapes: the
     compiled (rows, chunk bucket) programs, rows x chunk within the token budget (the smallest row
     bucket takes any chunk). padded_rows: the row bucket a call taking sequences on these shards is
     padded to (None: no bucket holds them). chunk: the most prompt tokens a row takes per call.
 
-    Sequences join oldest first, each taking min(chunk, tokens left), while the padded call is a
-    compiled shape; the first that would break the budget ends the call (FIFO: the oldest always
-    moves). One whose data shard has no row left is passed over. Long prompts get what a fixed two
-    rows of 256 gave them; short cache-hit turns (30-130 tokens) pack eight to a 512-token call,
-    where two rows each padded to a chunk bucket finished two.
+    Rows go to the sequences with the fewest prompt tokens left, each taking min(chunk bucket,
+    tokens left), so a long prompt fills its row exactly (chunked prefill) and a 40-token cache-hit
+    turn no longer waits behind a 1,500-token prompt's six chunks (oldest-first did, with half the
+    multi-turn replay's prefilled tokens padding). Of the compiled shapes, the call is the one that
+    brings the most sequences to their first token, then the one with the most prompt tokens per
+    unit of cost: on CPU a call costs its padded tokens (rows x chunk) plus a fixed overhead.
+    `urgent` (the scheduler's oldest sequence passed over MAX_PREFILL_SKIPS calls) is always
+    taken, so a long prompt never starves behind a stream of short ones.
     """
-    taken, bucket = [], 0
-    for i, (_, left) in enumerate(pending):
-        c = max(bucket, bucket_for(min(chunk, left), chunk_buckets, "prefill chunk"))
-        rows = padded_rows([pending[j][0] for j in taken + [i]])
-        if taken and rows is None:  # its shard's rows are taken: a later one may be on another shard
+    order = sorted(range(len(pending)), key=lambda i: (pending[i][1], i))
+    if urgent is not None:
+        order.remove(urgent)
+        order.insert(0, urgent)
+    best, best_key = None, None
+    for b, c in shapes:
+        if c > chunk:
             continue
-        if taken and (rows, c) not in shapes:
-            break
-        taken.append(i)
-        bucket = c
-    return taken, bucket
+        taken: list[int] = []
+        for i in order:
+            if len(taken) == b:
+                break
+            rows = padded_rows([pending[j][0] for j in taken + [i]])
+            if rows is not None and rows <= b:
+                taken.append(i)
+        if not taken or taken[0] != order[0]:
+            continue
+        used = bucket_for(max(min(c, pending[i][1]) for i in taken), chunk_buckets, "prefill chunk")
+        rows = padded_rows([pending[i][0] for i in taken])
+        if (rows, used) not in shapes:
+            continue
+        useful = sum(min(used, pending[i][1]) for i in taken)
+        done = sum(1 for i in taken if pending[i][1] <= used)
+        key = (done, useful / (rows * used + CALL_OVERHEAD_TOKENS), useful, used)
+        if best_key is None or key > best_key:
+            best, best_key = (sorted(taken), used), key
+    if best is None:  # the smallest row bucket takes any chunk: one row always fits
+        return [order[0]], bucket_for(min(chunk, pending[order[0]][1]), chunk_buckets, "prefill chunk")
+    return best
 
 
 class Scheduler:
@@ -334,6 +362,7 @@ class Scheduler:
                 raise
             self.waiting.popleft()
             seq.status, seq.num_cached, seq.slot = Status.PREFILLING, hit, self._slots_of(shard).pop()
+            seq.prefill_skips = 0
             seq.prefix_hit = hit
             if seq.cached_tokens is None:
                 seq.cached_tokens, seq.admitted_time = hit, time.perf_counter()
@@ -383,7 +412,11 @@ class Scheduler:
     def _prefill_step(self) -> None:
         r = self.runner
         pending = [(s.shard or 0, s.prefill_target - s.num_cached) for s in self.prefilling]
-        idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk)
+        urgent = next((i for i, s in enumerate(self.prefilling) if s.prefill_skips >= MAX_PREFILL_SKIPS), None)
+        idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk,
+                              urgent=urgent)
+        for i, s in enumerate(self.prefilling):
+            s.prefill_skips = 0 if i in idx else s.prefill_skips + 1
         layout = self._layout([self.prefilling[i] for i in idx], r.prefill_batches)
         chunks = [None if s is None else
                   (self._row(s), s.num_cached, min(c, s.prefill_target - s.num_cached)) for s in layout]
