@@ -396,9 +396,9 @@ def test_prefill_planner_lets_short_turns_pass_a_long_prompt_until_it_is_urgent(
 @given(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 2000)), min_size=1, max_size=12),
        st.sampled_from([256, 512, 1024]), st.sampled_from([1, 2]), st.booleans())
 def test_prefill_planner_stays_within_budget_and_shard_caps_and_finishes_no_fewer(pending, budget, shards, urgent):
-    """Every plan is a compiled shape within the shard caps, takes the shortest (or the urgent) sequence,
-    sizes its chunk to what its rows take (none larger than needed), and brings at least as many sequences to their first token
-    as the oldest-first reference did on one shard."""
+    """Every plan is a compiled shape within the shard caps, takes the shortest (or the urgent)
+    sequence, sizes its chunk to what its rows take (none larger than needed), and brings at least as
+    many sequences to their first token as the oldest-first reference did on one shard."""
     from jaxspec.serve.scheduler import plan_prefill
 
     pending = [(s % shards, n) for s, n in pending]

@@ -231,8 +231,8 @@ def run_round(args) -> int:
     lines = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln]
     heldout = [ln["eval"] for ln in lines if "eval" in ln]
     round_tokens = lines[-1]["tokens"] if lines else 0
-    entry = {"round": rnum, "date": time.strftime("%Y-%m-%d"), "conversations": [first, first + plan["raw"] + plan["regen"]],
-             "epoch": plan["epoch"],
+    end = first + plan["raw"] + plan["regen"]
+    entry = {"round": rnum, "date": time.strftime("%Y-%m-%d"), "conversations": [first, end], "epoch": plan["epoch"],
              "data": data, "steps": steps, "round_tokens": round_tokens,
              "init": "shipped" if init == head else f"round {rnum - 1} candidate",
              "tokens_seen": init_tokens + round_tokens, "heldout_last": heldout[-1] if heldout else None,
@@ -248,7 +248,7 @@ def run_round(args) -> int:
         log(f"shipped: tau {ev['shipped']['tau']} -> {ev['candidate']['tau']}")
     else:
         log(f"not shipped: tau {ev['shipped']['tau']} -> {ev['candidate']['tau']}")
-    state["next_conversation"] = first + plan["raw"] + plan["regen"]
+    state["next_conversation"] = end
     state["epoch"] = plan["epoch"]
     state["rounds"].append(entry)
     if not args.dry_run:
