@@ -203,7 +203,7 @@ def test_grammar_builds_compile_in_the_background(chat_model_dir):
     """serve.grammar_warmup: once the server is ready, a thread compiles every bucket's "+grammar"
     build (they cannot be stored), and shutdown waits for it; a constrained request then compiles
     nothing. Control: with one of those builds dropped, the same request compiles it again."""
-    from jaxspec.engine.runner import GRAMMAR
+    from jaxspec.engine.host_io import GRAMMAR
     from jaxspec.serve.server import build_server
     from tests.serve_util import serve_config
 
@@ -234,7 +234,7 @@ def test_programs_stay_within_vm_max_map_count(chat_model_dir, monkeypatch):
     build evicts the least recently used build (never a bucket) and is served, and a server whose
     buckets cannot fit refuses at start-up, naming the limit."""
     from jaxspec.engine import mappings
-    from jaxspec.engine.runner import GRAMMAR
+    from jaxspec.engine.host_io import GRAMMAR
     from jaxspec.serve.server import build_server
     from tests.serve_util import serve_config
 

@@ -62,23 +62,16 @@ from jaxspec.cache.prefix import PrefixCachingAllocator
 from jaxspec.config import EngineSection
 from jaxspec.engine.core import (decode_adapter, make_chunk_prefill_fn, prefill_adapter, row_state, spec_state,
                                  stateless, with_slots)
-from jaxspec.engine import mappings
+from jaxspec.engine import host_io, mappings
+from jaxspec.engine.host_io import GRAMMAR
 from jaxspec.engine.device_sampling import DeviceSampling
-from jaxspec.engine.types import RequestError, RowInput, RowOutput, TokenScores, bucket_for
+from jaxspec.engine.types import RequestError, RowInput, bucket_for
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import prepare_params
 from jaxspec.native.build import use_native_kernels
 from jaxspec.speculative.drafters import algorithm_info, build_drafter, registration, reserve_tokens
 from jaxspec.speculative.drafters.plain import PlainDrafter
 from jaxspec.speculative.loop import SpecPlan, SpecState, make_spec_decode_fn
-
-
-# The key suffix of the constrained build of a program (a batch holding a structured-output row).
-GRAMMAR = "+grammar"
-
-
-def _grammar_suffix(rows) -> str:
-    return GRAMMAR if any(r is not None and r.grammar is not None for r in rows) else ""
 
 
 def plan_for_steps(base: SpecPlan, k: int) -> SpecPlan:
@@ -503,10 +496,9 @@ class ModelRunner:
 
     # ---- calls -------------------------------------------------------------------
 
-    # Each call is split in two: the host inputs of a bucket (plain numpy, so a
-    # multi-host leader can broadcast them) and running that bucket on them
-    # (what every process does, `jaxspec.serve.multihost`). A None row or chunk is
-    # padding (split pages: the caller lays rows out by data shard, `place`).
+    # Each call is split in two: the host inputs of a bucket (`host_io`: plain numpy,
+    # so a multi-host leader can broadcast them) and running that bucket on them
+    # (what every process does, `jaxspec.serve.multihost`).
 
     def _check_shard(self, i: int, b: int, row: RowInput) -> None:
         if self.split_pages and row.shard is not None and row.shard != i // (b // self.num_shards):
@@ -517,29 +509,8 @@ class ModelRunner:
         b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
         c = bucket_for(max(ch[2] for ch in chunks if ch is not None), self.chunk_buckets, "prefill chunk")
         ctx = self.prefill_context(max(ch[1] + ch[2] for ch in chunks if ch is not None), c)
-        width = self.table_width(ctx)
-        tokens = np.zeros((b, c), np.int32)
-        q_start, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
-        table = np.zeros((b, width), np.int32)
-        slots = np.full((b,), self.num_slots, np.int32)
-        history, prompt_lens = np.zeros((b, self.max_context), np.int32), np.zeros((b,), np.int32)
-        resume = np.zeros((b,), bool)
-        for i, chunk in enumerate(chunks):
-            if chunk is None:
-                continue
-            row, start, n = chunk
-            self._check_shard(i, b, row)
-            tokens[i, :n] = row.tokens[start: start + n]
-            q_start[i], lens[i], slots[i] = start, n, row.slot
-            m = min(len(row.page_row), width)  # pages past the chunk's end (decode lookahead) are not read
-            table[i, :m] = row.page_row[:m]
-            history[i, : start + n] = row.tokens[: start + n]
-            prompt_lens[i] = row.prompt_len
-            resume[i] = 0 < start == row.cached
-        inputs = dict(slots=slots, tokens=tokens, q_start=q_start, lens=lens, table=table,
-                      sampling=DeviceSampling.pack([ch and ch[0] for ch in chunks], b), history=history,
-                      prompt_lens=prompt_lens, resume=resume)
-        return ("prefill" + _grammar_suffix(chunks and [ch and ch[0] for ch in chunks]), b, c, ctx), inputs
+        return host_io.pack_prefill(chunks, b=b, c=c, ctx=ctx, width=self.table_width(ctx), num_slots=self.num_slots,
+                                    max_context=self.max_context, check=self._check_shard)
 
     def run_prefill(self, key: tuple, inputs: dict) -> tuple[np.ndarray, tuple | None]:
         """(the token sampled at each row's chunk end [b], its logprob entries when a row asked, or None)."""
@@ -565,35 +536,12 @@ class ModelRunner:
         key, inputs = self.prefill_inputs(chunks)
         return self.prefill_outputs(chunks, self.run_prefill(key, inputs))
 
-    @staticmethod
-    def prefill_outputs(chunks, result) -> tuple[list[int], list]:
-        first, lp = result
-        asked = lambda ch: lp is not None and ch is not None and ch[0].params.logprobs is not None  # noqa: E731
-        return first[: len(chunks)].tolist(), [TokenScores.pick(lp, slice(i, i + 1), ch[0].params.logprobs)
-                                               if asked(ch) else None for i, ch in enumerate(chunks)]
+    prefill_outputs = staticmethod(host_io.prefill_outputs)
 
     def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
         b = bucket_for(len(rows), self.batch_buckets, "batch size")
-        maxp = self.table_width(ctx)
-        history = np.zeros((b, ctx), np.int32)
-        hist_len, prompt_lens = np.ones((b,), np.int32), np.zeros((b,), np.int32)
-        slots = np.full((b,), self.num_slots, np.int32)
-        table = np.zeros((b, maxp), np.int32)
-        done = np.ones((b,), bool)
-        for i, r in enumerate(rows):
-            if r is None:
-                continue
-            self._check_shard(i, b, r)
-            n = len(r.tokens)
-            history[i, :n] = r.tokens
-            hist_len[i], prompt_lens[i], slots[i] = n, r.prompt_len, r.slot
-            m = min(len(r.page_row), maxp)
-            table[i, :m] = r.page_row[:m]
-            done[i] = False
-        # Host arrays only: a jnp.zeros here would compile a fill op per new shape while serving.
-        inputs = dict(table=table, history=history, hist_len=hist_len, prompt_lens=prompt_lens, done=done,
-                      slots=slots, sampling=DeviceSampling.pack(rows, b))
-        return ("decode" + _grammar_suffix(rows), k, b, ctx), inputs
+        return host_io.pack_decode(k, rows, b=b, ctx=ctx, width=self.table_width(ctx), num_slots=self.num_slots,
+                                   check=self._check_shard)
 
     def _state(self, x: dict, ctx: int) -> SpecState:
         """The loop carry of a call from its (device) inputs, drafter state aside."""
@@ -629,18 +577,4 @@ class ModelRunner:
         key, inputs = self.decode_inputs(k, rows, ctx)
         return self.decode_outputs(rows, self.run_decode(key, inputs))
 
-    @staticmethod
-    def decode_outputs(rows: Sequence[RowInput], result: tuple[np.ndarray, ...]):
-        hist, new_len, done_out, acc, nv, lp = result
-        outs = []
-        for i, r in enumerate(rows):
-            if r is None:
-                outs.append(None)
-                continue
-            n = len(r.tokens)
-            scores = None
-            if lp is not None and r.params.logprobs is not None:
-                scores = TokenScores.pick(lp, (i, slice(0, new_len[i] - n)), r.params.logprobs)
-            outs.append(RowOutput(tokens=hist[i, n: new_len[i]].tolist(), done=bool(done_out[i]),
-                                  accept_lens=acc[i, : nv[i]].tolist(), logprobs=scores))
-        return outs, int(nv[: len(rows)].max(initial=0))
+    decode_outputs = staticmethod(host_io.decode_outputs)

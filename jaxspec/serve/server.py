@@ -72,7 +72,7 @@ class Server:
 
     def _grammar_warmup(self) -> None:
         """Compile the "+grammar" builds (structured output) while serving: they cannot be stored."""
-        from jaxspec.engine.runner import GRAMMAR
+        from jaxspec.engine.host_io import GRAMMAR
 
         t0 = time.perf_counter()
         try:
