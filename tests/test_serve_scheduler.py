@@ -99,3 +99,34 @@ def test_standalone_drafter_through_preemption_is_exact(tiny_dirs, reference):
     assert got == reference
     assert sum(s.num_preemptions for s in seqs) > 0
     assert server.runner.allocator.num_used == 0
+
+
+def test_abort_all_ends_every_request_and_any_that_arrives_after_it(tiny_dirs):
+    """Shutdown (issue 23), seen once in a clean-clone `make test` as a stream cut mid-way:
+    abort_all raised (deque + list) on the scheduler thread, whose error handler ended only the
+    running requests, so a waiting one was admitted later and cut by the exit; and a request that
+    passed the server's draining check but reached the inbox after abort_all was started too. Now
+    every waiting, running and later request ends with "abort" (an error event and [DONE])."""
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path), progress=False)
+    sched, events = server.scheduler, {}
+
+    def seq(name):
+        return Seq([5, 6, 7], SamplingParams(max_tokens=40),
+                   lambda e: events.setdefault(name, []).append(e.finish_reason))
+
+    running = seq("running")
+    sched.submit(running)
+    sched.step()  # control: an open scheduler admits it (its prefill runs)
+    assert running.status != Status.FINISHED and running not in sched.waiting and not sched.closed
+    queued = seq("queued")
+    sched.submit(queued)  # in the inbox ahead of abort_all: waiting when it is processed
+    sched.abort_all("the server is shutting down")
+    late = seq("late")
+    sched.submit(late)
+    sched.step()
+    assert sched.closed and sched.last_error == "the server is shutting down"
+    assert [s.finish_reason for s in (running, queued, late)] == ["abort"] * 3
+    assert events["queued"] == ["abort"] and events["late"] == ["abort"]
+    assert late.tokens == late.prompt_ids and queued.tokens == queued.prompt_ids  # neither prefilled
+    assert not sched.waiting and sched.num_active == 0 and server.runner.allocator.num_used == 0

@@ -222,8 +222,13 @@ class Scheduler:
         self._inbox.put(("cancel", seq))
         self._wake.set()
 
+    # Set once abort_all is processed (shutdown): a request still reaching the inbox afterwards is
+    # ended at once, so none starts after the drain has finished waiting and is cut by the exit.
+    closed = False
+
     def abort_all(self, reason: str) -> None:
-        """End every queued and running sequence with finish reason "abort" (on the scheduler thread)."""
+        """End every queued and running sequence with finish reason "abort" (on the scheduler thread),
+        and every one submitted after it."""
         self._inbox.put(("abort_all", reason))
         self._wake.set()
 
@@ -279,6 +284,9 @@ class Scheduler:
             if op == "add":
                 if seq.cancelled:
                     continue
+                if self.closed:  # it raced the drain (admitted before draining, queued after abort_all)
+                    self._finish(seq, "abort")
+                    continue
                 if self.tokenizer is not None:
                     seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)  # no tokenizer call
                 seq.stopper = StopStringMatcher(seq.params.stop)
@@ -290,7 +298,8 @@ class Scheduler:
                 self._finish(seq, "abort")
             elif op == "abort_all":  # `seq` carries the reason the clients are told
                 self.last_error = seq
-                for s in self.waiting + self.prefilling + self.running:
+                self.closed = True
+                for s in [*self.waiting, *self.prefilling, *self.running]:  # waiting is a deque: no `+`
                     self._finish(s, "abort")
                 self.waiting.clear()
 

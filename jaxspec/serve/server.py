@@ -154,10 +154,13 @@ class Server:
         left = sched.num_active + len(sched.waiting)
         if left:
             log.warning("shutdown: %d request(s) still running after %.0f s; ending them", left, grace_s)
-            sched.abort_all("the server is shutting down")
-            end = time.monotonic() + 10
-            while time.monotonic() < end and (sched.num_active or sched.waiting):
-                time.sleep(0.05)
+        # Always, even with none left: it closes the scheduler, so a request that passed the draining
+        # check but reaches the inbox only now ends with an error event instead of starting and
+        # being cut by the exit.
+        sched.abort_all("the server is shutting down")
+        end = time.monotonic() + 10
+        while time.monotonic() < end and (sched.num_active or sched.waiting or not sched._inbox.empty()):
+            time.sleep(0.05)
         time.sleep(0.2)  # let the streams flush their last events
         return left
 
