@@ -325,7 +325,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--ttt", type=int, default=5, help="TTT steps (the chain of 3 and trees of depth 4 use 0..3)")
-    p.add_argument("--eval-prompts", type=int, default=10)
+    p.add_argument("--eval-prompts", type=int, default=16,
+                   help="MT-Bench first turns, round-robin over its 8 categories (rounds 1-15: the first 10, all writing)")
     p.add_argument("--dry-run", action="store_true", help="never write the head directory")
     p.add_argument("--keep-data", action="store_true", help="keep the round's feature caches after it ends")
     return run_round(p.parse_args(argv))
