@@ -28,12 +28,11 @@ serve: setup
 	$(PY) -m jaxspec.serve
 
 # Two workers, one per CI core: most of a test's time is XLA compiling, which runs on one thread.
-# A file stays on one worker (its module fixtures are built once); the slowest files go first
-# (tests/conftest.py SLOW_FIRST), so the last ones to finish are short.
+# A file stays on one worker (its module fixtures are built once).
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: setup
 	# The llama.cpp peer (builds from source; the bench skips it if absent). x86: without AMX tiles,

@@ -13,18 +13,6 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The slowest files (minutes each in a clean-clone run), slowest first. `make test` hands files to
-# its two workers in collection order (--no-loadscope-reorder; xdist's default orders them by test
-# count, which started the one-test, three-minute multi-host file last, beside an idle worker).
-SLOW_FIRST = ("test_mesh.py", "test_structured.py", "test_smollm.py", "test_feature_drafters.py",
-              "test_serve_structured.py", "test_serve_multihost.py", "test_serve_cli.py",
-              "test_feature_distribution.py", "test_serve_mesh_pages.py", "test_notebooks.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: files stay whole
-
 
 def make_tiny_hf(kind: str, **overrides):
     import torch
