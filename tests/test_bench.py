@@ -153,3 +153,41 @@ def test_mtbench_questions_spread_over_the_categories():
     # Within a category the file's order is kept.
     math = [q for q, c in zip(every, ps.mtbench_categories(80)) if c == "math"]
     assert math == [r["turns"][0] for r in rows if r["category"] == "math"]
+
+
+def test_bench_server_launcher_stops_on_a_failed_start_up():
+    """`bench serve` waited forever (17 min, 2026-12-05) on a server whose start-up had failed: its
+    /health answers 500 with the reason and the process stays up. Now the reason is raised; 503
+    (compiling) keeps waiting and 200 is ready. Served by a stub HTTP server with the real bodies."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from jaxspec.bench.servers import is_ready
+
+    answers = {"/ready/health": (200, {"status": "ok"}), "/starting/health": (503, {"status": "starting"}),
+               "/failed/health": (500, {"status": "error", "error": "MapLimitError: 69 programs x ~894"})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            code, body = answers[self.path]
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert is_ready(base + "/ready") is True
+        assert is_ready(base + "/starting") is False
+        with pytest.raises(RuntimeError, match="failed to start: MapLimitError: 69 programs"):
+            is_ready(base + "/failed", "[off] server")
+    finally:
+        httpd.shutdown()

@@ -57,7 +57,7 @@ def launched(model: str, overrides: dict, label: str, config: str | None = None,
             if proc.poll() is not None:
                 raise RuntimeError(f"[{label}] server exited with {proc.returncode}; log: {log.name}")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if is_ready(url, f"[{label}] server (log: {log.name})"):
                     break
             time.sleep(1)
         print(f"[{label}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
@@ -69,6 +69,21 @@ def launched(model: str, overrides: dict, label: str, config: str | None = None,
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def is_ready(url: str, what: str = "server") -> bool:
+    """/health: True when ready, False while compiling; a failed start-up (500, the server keeps
+    running to report it) raises with the server's reason instead of waiting forever."""
+    import httpx
+
+    r = httpx.get(url + "/health", timeout=2)
+    if r.status_code == 500:
+        try:
+            reason = r.json().get("error", r.text)
+        except ValueError:
+            reason = r.text
+        raise RuntimeError(f"{what} failed to start: {reason}")
+    return r.status_code == 200
 
 
 def metric_samples(url: str) -> list:
