@@ -284,7 +284,7 @@ class Scheduler:
             if op == "add":
                 if seq.cancelled:
                     continue
-                if self.closed:  # it raced the drain (admitted before draining, queued after abort_all)
+                if self.closed:  # it passed the server's draining check, then reached the inbox after abort_all
                     self._finish(seq, "abort")
                     continue
                 if self.tokenizer is not None:
