@@ -181,7 +181,7 @@ def padding_report(model_dir: Path, tmp: Path) -> dict:
     import io
 
     out = {}
-    for shape in ("single",) + MESHES:
+    for shape in ("single",) + SPLIT_MESHES:  # 8x1 splits no heads: "single" checks the unpadded run
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             res = cli_report(model_dir, tmp, None if shape == "single" else shape, quiet=False)
@@ -267,38 +267,6 @@ def cli_report(model_dir: Path, tmp: Path, mesh: str | None = "2x4", quiet: bool
     return {"rc": rc, "outputs": rows}
 
 
-def serve_report(model_dir: Path) -> dict:
-    """The server's scheduler and runner (continuous batching, n-gram speculation) under each mesh."""
-    from jaxspec.config import apply_overrides, load_config
-    from jaxspec.mesh import make_mesh
-    from jaxspec.sampling_params import SamplingParams
-    from jaxspec.serve.scheduler import Seq
-    from jaxspec.serve.server import build_server
-
-    cfg = apply_overrides(load_config(None), {
-        "model.path": str(model_dir), "spec.algorithm": "ngram", "spec.verify": "rejection",
-        "spec.num_draft_tokens": 4, "serve.adaptive": False, "engine.max_batch_size": 8,
-        "engine.batch_buckets": "8", "engine.max_context": 64, "engine.page_size": 4,
-        "engine.length_buckets": "16,64", "serve.context_buckets": "64", "serve.prefill_chunk": 16,
-        "serve.max_prefill_batch": 8, "serve.steps_per_call": 3})
-    out = {"meshes": list(SPLIT_MESHES)}
-    for shape in ("single",) + SPLIT_MESHES:
-        server = build_server(cfg, mesh=None if shape == "single" else make_mesh(shape), progress=False)
-        sched, got = server.scheduler, {}
-        seqs = []
-        for i, p in enumerate(PROMPTS * 2):  # 8 rows: a full batch, joining over two steps
-            seqs.append(Seq(p, SamplingParams(max_tokens=NEW + i), lambda e, i=i: got.setdefault(i, []).extend(
-                e.token_ids)))
-            sched.submit(seqs[-1])
-            if i == 3:
-                sched.step()
-        while any(s.finish_reason is None for s in seqs):
-            sched.step()
-        out[shape] = [got[i] for i in range(len(seqs))]
-        out[f"{shape}_pages_used"] = server.runner.allocator.num_used
-    return out
-
-
 def embedded_serve_report() -> dict:
     """The embedded SmolLM2-135M (9 q / 3 kv heads) through the server's scheduler, one device vs 4x2.
 
@@ -346,7 +314,6 @@ def main(out_path: str) -> None:
         report["int8"] = int8_report(model)
         report["kernel"] = kernel_report()
         report["cli"] = cli_report(tmp / "tiny", tmp)
-        report["serve"] = serve_report(tmp / "tiny")
         write_tiny_checkpoint(tmp / "awkward", AWKWARD)
         report["padding"] = padding_report(tmp / "awkward", tmp)
         report["embedded"] = embedded_serve_report()
