@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, init_head, plan_round, plot_curve
+from jaxspec.train.campaign import eval_set as c_eval_set
 
 
 def _round(n, start_tokens, tokens, tau_before, tau_after, shipped):
@@ -24,6 +25,12 @@ def test_curve_and_plot(tmp_path):
     pts = curve(_state(head))
     assert [(p["tokens"], p["tau"], p["shipped"]) for p in pts] == [
         (760_000, 1.32, True), (1_100_000, 1.40, True), (1_500_000, 1.38, False)]
+    # A round on another prompt set: the head it started from appears again, measured on that set.
+    state["rounds"].append({**_round(3, 1_500_000, 300_000, 1.45, 1.47, True), "eval_set": c_eval_set(16)})
+    (head / "campaign.json").write_text(json.dumps(state))
+    pts = curve(_state(head))
+    assert [(p["tokens"], p["tau"], p["eval_set"]) for p in pts[2:]] == [
+        (1_500_000, 1.38, "MT-Bench writing 10"), (1_500_000, 1.45, c_eval_set(16)), (1_800_000, 1.47, c_eval_set(16))]
     import jaxspec.train.campaign as c
 
     c_head = c.HEAD

@@ -236,7 +236,8 @@ def run_round(args) -> int:
              "data": data, "steps": steps, "round_tokens": round_tokens,
              "init": "shipped" if init == head else f"round {rnum - 1} candidate",
              "tokens_seen": init_tokens + round_tokens, "heldout_last": heldout[-1] if heldout else None,
-             "mtbench": ev, "shipped": ev["candidate"]["tau"] > ev["shipped"]["tau"],
+             "mtbench": ev, "eval_set": eval_set(args.eval_prompts),
+             "shipped": ev["candidate"]["tau"] > ev["shipped"]["tau"],
              "command": "python -m jaxspec.train campaign " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
     if args.drafter != "eagle3":
         entry["drafter"] = args.drafter
@@ -260,18 +261,29 @@ def run_round(args) -> int:
     return 0
 
 
+# Rounds 1-14 read MT-Bench's first ten questions, which are all writing (the file is sorted by
+# category); their entries name no set.
+OLD_EVAL_SET = "MT-Bench writing 10"
+
+
+def eval_set(num_prompts: int) -> str:
+    return f"MT-Bench {num_prompts}, round-robin over the categories"
+
+
 def curve(state: dict) -> list[dict]:
-    """(training tokens seen, MT-Bench τ, held-out top-1 at TTT step 0) per evaluated head: the
-    head each round started from, then every round's candidate (shipped or not)."""
+    """(training tokens seen, MT-Bench τ, held-out top-1 at TTT step 0, prompt set) per evaluated
+    head: the head each round started from, then every round's candidate (shipped or not). τ on
+    different prompt sets is not comparable: where the set changes, the starting head appears again,
+    measured on the new set."""
     points = []
     for r in state["rounds"]:
-        start = r["tokens_seen"] - r["round_tokens"]
-        if all(p["tokens"] != start for p in points):
+        start, where = r["tokens_seen"] - r["round_tokens"], r.get("eval_set", OLD_EVAL_SET)
+        if all((p["tokens"], p["eval_set"]) != (start, where) for p in points):
             points.append({"tokens": start, "tau": r["mtbench"]["shipped"]["tau"], "heldout_top1": None,
-                           "shipped": True, "round": r["round"] - 1})
+                           "shipped": True, "round": r["round"] - 1, "eval_set": where})
         held = (r.get("heldout_last") or {}).get("heldout_acc") or [None]
         points.append({"tokens": r["tokens_seen"], "tau": r["mtbench"]["candidate"]["tau"],
-                       "heldout_top1": held[0], "shipped": r["shipped"], "round": r["round"]})
+                       "heldout_top1": held[0], "shipped": r["shipped"], "round": r["round"], "eval_set": where})
     return points
 
 
@@ -286,10 +298,15 @@ def plot_curve(head: Path, out: Path) -> Path:
     if not pts:
         raise RuntimeError(f"{head / 'campaign.json'}: no rounds yet")
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    shipped = [p for p in pts if p["shipped"]]
-    ax.plot([p["tokens"] for p in shipped], [p["tau"] for p in shipped], "-", color="0.6")
-    for p in pts:
-        ax.plot(p["tokens"], p["tau"], "o" if p["shipped"] else "x", color="C0" if p["shipped"] else "C3")
+    sets = list(dict.fromkeys(p["eval_set"] for p in pts))
+    for i, where in enumerate(sets):  # one line per prompt set: τ across sets is not comparable
+        shipped = [p for p in pts if p["shipped"] and p["eval_set"] == where]
+        ax.plot([p["tokens"] for p in shipped], [p["tau"] for p in shipped], "-o", color=f"C{i}", label=where)
+        for p in pts:
+            if not p["shipped"] and p["eval_set"] == where:
+                ax.plot(p["tokens"], p["tau"], "x", color="C3")
+    if len(sets) > 1:
+        ax.legend(fontsize=7, loc="lower right")
     ax.axhline(2.2, ls="--", color="C2", lw=1)
     ax.text(pts[0]["tokens"], 2.23, "issue target: τ 2.2", color="C2", fontsize=8)
     ax.set_ylim(1.0, max(2.4, max(p["tau"] for p in pts) + 0.1))
