@@ -31,8 +31,8 @@ def mtbench_questions(n: int) -> list[str]:
     """First-turn questions of MT-Bench `question.jsonl`, taken round-robin over its 8 categories.
 
     The file is sorted by category, ten questions each, writing first: its first ten are all
-    writing, so a 10-prompt "MT-Bench" number was a writing number. Round-robin makes any n a spread over the categories (n = 8: one each;
-    n = 80: the whole set, the field's MT-Bench)."""
+    writing, so a 10-prompt "MT-Bench" number was a writing number. Round-robin makes any n a
+    spread over the categories (n = 8: one each; n = 80: the whole set, the field's MT-Bench)."""
     return [r["turns"][0] for r in round_robin(_mtbench_rows(), "category")[:n]]
 
 

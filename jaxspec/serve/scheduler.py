@@ -246,9 +246,13 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self.prefilling) + len(self.running)
 
+    def busy(self) -> bool:
+        """Work queued or in flight, submissions not yet drained from the inbox included."""
+        return bool(self.waiting or self.prefilling or self.running) or not self._inbox.empty()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not (self.waiting or self.prefilling or self.running) and self._inbox.empty():
+            if not self.busy():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue

@@ -148,9 +148,8 @@ class Server:
         clients get an error event and [DONE]). Returns how many were aborted."""
         self.draining = True
         sched = self.scheduler
-        busy = lambda: sched.num_active or sched.waiting or not sched._inbox.empty()  # noqa: E731
         deadline = time.monotonic() + max(grace_s, 0.0)
-        while time.monotonic() < deadline and busy():
+        while time.monotonic() < deadline and sched.busy():
             time.sleep(0.05)
         left = sched.num_active + len(sched.waiting)
         if left:
@@ -160,7 +159,7 @@ class Server:
         # being cut by the exit.
         sched.abort_all("the server is shutting down")
         end = time.monotonic() + 10
-        while time.monotonic() < end and busy():
+        while time.monotonic() < end and sched.busy():
             time.sleep(0.05)
         time.sleep(0.2)  # let the streams flush their last events
         return left

@@ -302,9 +302,8 @@ def plot_curve(head: Path, out: Path) -> Path:
     for i, where in enumerate(sets):  # one line per prompt set: τ across sets is not comparable
         shipped = [p for p in pts if p["shipped"] and p["eval_set"] == where]
         ax.plot([p["tokens"] for p in shipped], [p["tau"] for p in shipped], "-o", color=f"C{i}", label=where)
-        for p in pts:
-            if not p["shipped"] and p["eval_set"] == where:
-                ax.plot(p["tokens"], p["tau"], "x", color="C3")
+    dropped = [p for p in pts if not p["shipped"]]
+    ax.plot([p["tokens"] for p in dropped], [p["tau"] for p in dropped], "x", color="C3", ls="none")
     if len(sets) > 1:
         ax.legend(fontsize=7, loc="lower right")
     ax.axhline(2.2, ls="--", color="C2", lw=1)
