@@ -198,9 +198,10 @@ def test_greedy_penalties_equal_the_reference(tiny_dirs, tmp_path, name):
             assert not set(got[:sp.min_tokens - 1]) & set(stops)
         if name is not None:
             assert out.outputs[0].accept_lengths  # the drafter ran
+    # All four prompts again: batch 4 runs the programs compiled above (two would compile batch 2).
     rep = SamplingParams(max_tokens=20, repetition_penalty=1.3, ignore_eos=True)
-    got = llm.generate(PROMPTS[:2], rep)
-    for ids, out in zip(PROMPTS[:2], got):
+    got = llm.generate(PROMPTS, rep)
+    for ids, out in zip(PROMPTS, got):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
                               repetition_penalty=1.3, pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
