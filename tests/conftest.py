@@ -12,13 +12,6 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Most of the suite's time is XLA:CPU compiling tiny programs, and most of that is LLVM optimising
-# code that then runs for milliseconds. Level 0 skips those passes (-20% on test_smollm, -15% on
-# the penalty cases, measured cold); without fast-math LLVM keeps IEEE semantics at every level,
-# so the numbers the tests compare are the same. Subprocesses inherit it (the mesh workers append
-# their device count to it).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 
 def make_tiny_hf(kind: str, **overrides):

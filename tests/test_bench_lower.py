@@ -134,7 +134,7 @@ def test_sharded_tpu_lowering_puts_kernels_under_shard_map(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(root)}
     env.pop("JAXSPEC_KERNELS", None)
     argv = ["--platform", "tpu", "--mesh", "4x2", "--dump", str(tmp_path), *ARGS]

@@ -31,7 +31,7 @@ MESHES = ("4x2", "2x4", "8x1")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "report.json"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     env.pop("JAXSPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(out)], env=env, cwd=ROOT,
@@ -141,7 +141,7 @@ def test_two_processes_share_one_mesh(report, tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxspec.generate", "--model", str(tmp_path / "tiny"),
          "--prompts", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"out{i}.jsonl"), "--quiet",

@@ -26,7 +26,7 @@ CASES = ("plain", "ngram", "preempt", "eagle3")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve_mesh") / "report.json"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     env.pop("JAXSPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "serve_mesh_worker.py"), str(out)], env=env,

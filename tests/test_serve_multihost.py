@@ -39,7 +39,7 @@ def test_two_processes_serve_one_mesh(chat_model_dir):
     cfg = {**SERVE_CFG, "engine.max_batch_size": 2, "engine.batch_buckets": "2"}
     sets = [a for k, v in cfg.items() for a in ("--set", f"{k}={v}")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxspec.serve", "--model", str(chat_model_dir), "--port", str(http_port),
          "--served-model-name", "tiny", "--mesh", "2x2", "--coordinator", f"localhost:{coord_port}",

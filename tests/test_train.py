@@ -467,7 +467,7 @@ def test_data_parallel_equals_one_device(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     out = tmp_path / "dp.json"
     proc = subprocess.run([sys.executable, str(root / "tests" / "train_dp_worker.py"), str(out)], env=env,
                           cwd=root, capture_output=True, text=True, timeout=600)
