@@ -88,3 +88,6 @@ def test_a_used_up_train_split_starts_a_regenerated_epoch():
     assert plan_round({"next_conversation": FIRST_UNUSED + 384, "epoch": 2}, 800, 384, size) == {
         "first": FIRST_UNUSED + 384, "raw": 0, "regen": 384, "epoch": 2}
     assert plan_round({"next_conversation": size, "epoch": 2}, 0, 10, size)["epoch"] == 3
+    # --repeat-raw: a second pass over ShareGPT's own answers, before the round's regenerated turns
+    assert plan_round({"next_conversation": 4096, "epoch": 2}, 1000, 128, size, repeat_raw=True) == {
+        "first": 4096, "raw": 1000, "regen": 128, "epoch": 2}
