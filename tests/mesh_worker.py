@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -304,19 +305,25 @@ def main(out_path: str) -> None:
 
     from jaxspec.models.loading import load_model
 
-    report = {"devices": jax.device_count()}
+    report = {"devices": jax.device_count(), "seconds": {}}
+
+    def part(name, fn, *args):  # seconds per part, so the slow ones show when the suite is trimmed
+        t0 = time.perf_counter()
+        report[name] = fn(*args)
+        report["seconds"][name] = round(time.perf_counter() - t0, 1)
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         write_tiny_checkpoint(tmp / "tiny")
         model = load_model(str(tmp / "tiny"), progress=False)
-        report["engines"] = engines_report(model)
-        report["standalone"] = standalone_report(model)
-        report["int8"] = int8_report(model)
-        report["kernel"] = kernel_report()
-        report["cli"] = cli_report(tmp / "tiny", tmp)
+        part("engines", engines_report, model)
+        part("standalone", standalone_report, model)
+        part("int8", int8_report, model)
+        part("kernel", kernel_report)
+        part("cli", cli_report, tmp / "tiny", tmp)
         write_tiny_checkpoint(tmp / "awkward", AWKWARD)
-        report["padding"] = padding_report(tmp / "awkward", tmp)
-        report["embedded"] = embedded_serve_report()
+        part("padding", padding_report, tmp / "awkward", tmp)
+        part("embedded", embedded_serve_report)
     Path(out_path).write_text(json.dumps(report))
 
 

@@ -154,14 +154,16 @@ def test_mtbench_questions_spread_over_the_categories():
 def test_bench_server_launcher_stops_on_a_failed_start_up():
     """`bench serve` waited forever (17 min, 2026-12-05) on a server whose start-up had failed: its
     /health answers 500 with the reason and the process stays up. Now the reason is raised; 503
-    (compiling) keeps waiting and 200 is ready. Served by a stub HTTP server with the real bodies."""
+    (compiling) keeps waiting and 200 is ready, its "warmup" read apart. Served by a stub HTTP server
+    with the real bodies."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from jaxspec.bench.servers import is_ready
+    from jaxspec.bench.servers import is_ready, warmup_state
 
     answers = {"/ready/health": (200, {"status": "ok"}), "/starting/health": (503, {"status": "starting"}),
+               "/warming/health": (200, {"status": "ok", "warmup": "running"}),
                "/failed/health": (500, {"status": "error", "error": "MapLimitError: 69 programs x ~894"})}
 
     class Handler(BaseHTTPRequestHandler):
@@ -183,7 +185,45 @@ def test_bench_server_launcher_stops_on_a_failed_start_up():
     try:
         assert is_ready(base + "/ready") is True
         assert is_ready(base + "/starting") is False
+        # Ready, but the structured-output builds still compile on a core: the launcher waits them out.
+        assert is_ready(base + "/warming") is True and warmup_state(base + "/warming") == "running"
+        assert warmup_state(base + "/ready") == "off"  # a server that reports none
         with pytest.raises(RuntimeError, match="failed to start: MapLimitError: 69 programs"):
             is_ready(base + "/failed", "[off] server")
     finally:
         httpd.shutdown()
+
+
+def test_bench_serve_rounds_take_turns_and_report_per_round_ratios(monkeypatch, capsys):
+    """--rounds: both servers stay up, their waves alternate ABBA and the ratio is taken round by round,
+    so the machine's speed swings (one round's pair of waves runs at its own speed here: 1.0, 0.5,
+    0.8, 0.6) fall on both modes. Servers and waves are stubbed; adaptive is truly 1.1x off."""
+    import contextlib
+
+    from jaxspec.bench import serve as bs
+
+    order, machine = [], [1.0, 0.5, 0.8, 0.6]
+
+    @contextlib.contextmanager
+    def fake_launched(model, overrides, label, config=None):
+        yield f"http://{label}", "m"
+
+    def fake_wave(url, model, prompts, levels, args):
+        mode = url.removeprefix("http://")
+        speed = (1.1 if mode == "adaptive" else 1.0) * machine[len(order) // 2]
+        order.append(mode)
+        return [{"concurrency": c, "tok_s": 100.0 * speed, "ttft_p50": 1.0, "tau": 1.0} for c in levels]
+
+    monkeypatch.setattr(bs, "launched", fake_launched)
+    monkeypatch.setattr(bs, "bench_url", fake_wave)
+    monkeypatch.setattr(bs, "metric_samples", lambda url: [])
+    monkeypatch.setattr(bs.asyncio, "run", lambda coro: coro.close())  # the priming request
+    assert bs.main(["--concurrency", "32", "--modes", "off,adaptive", "--rounds", "4", "--hf-prompts", "0",
+                    "--prompts", "humaneval", "--num-prompts", "2"]) == 0
+    assert order == ["off", "adaptive", "adaptive", "off", "off", "adaptive", "adaptive", "off"]
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 |")}
+    assert rows["off"][2] == "70.00" and rows["adaptive"][2] == "77.00"  # medians of the waves
+    assert rows["adaptive"][3:7] == ["1.10", "1.10", "1.10", "4"]  # median, min, max, rounds >= 0.97
+    with pytest.raises(SystemExit, match="must include off"):
+        bs.main(["--modes", "on,adaptive", "--rounds", "2", "--hf-prompts", "0", "--prompts", "humaneval"])

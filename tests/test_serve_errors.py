@@ -118,6 +118,8 @@ def test_malformed_corpus_gets_4xx_json_errors_and_the_server_keeps_serving(serv
     r = client(url).completions.create(model=server.model_name, prompt="still alive?", max_tokens=5, temperature=0)
     assert r.usage.completion_tokens == 5
     assert wait_for_idle(server)
+    # /health names the background warm-up (off in the tests' config; running/done: test_serve_structured)
+    assert httpx.get(url + "/health").json() == {"status": "ok", "model": server.model_name, "warmup": "off"}
 
 
 def test_errors_name_the_field(served):

@@ -212,7 +212,9 @@ def test_grammar_builds_compile_in_the_background(chat_model_dir):
     server = build_server(serve_config(chat_model_dir, **small), progress=False)
     try:
         server.warm_up()
+        assert server.warmup == "running"  # what /health reports, and what `bench serve` waits out
         server._warmup.join(timeout=600)
+        assert server.warmup == "done"
         keys = server.runner.all_keys(GRAMMAR)
         assert set(keys) <= set(server.runner._compiled)
         for drop in (False, True):

@@ -11,6 +11,7 @@ memory-bandwidth roofline.
     python -m jaxspec.bench serve                       # ShareGPT, concurrency 1, 8, 32
     python -m jaxspec.bench serve --prompts mtbench --concurrency 1,8
     python -m jaxspec.bench serve --url http://127.0.0.1:8000   # a running server, one mode
+    python -m jaxspec.bench serve --concurrency 32 --modes off,adaptive --rounds 5   # waves taking turns
     python -m jaxspec.bench serve --workload multiturn          # multi-turn replay, prefix cache on/off
                                                                 # (jaxspec/bench/multiturn.py)
     python -m jaxspec.bench serve --workload constrained --concurrency 1,8   # JSON schema vs free
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 
@@ -154,6 +156,52 @@ def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[
         return rows, {"model": model, "adaptive": adaptive_choice(samples), "by_length": by_length(samples)}
 
 
+def serve_interleaved(args, prompts: list[str], levels: list[int]) -> int:
+    """--rounds N: every mode's server up at once, their waves taking turns (ABBA: the order flips each
+    round, so a drift in the machine's speed falls on both), and each level's ratio to speculation off
+    read per round. One wave per mode in a row, as before, put the machine's ±10-15% swings between
+    two 70-second waves straight into the ratio (2026-12-04: three runs of one C = 32 comparison read
+    1.12×, 0.98× and 0.87×)."""
+    from jaxspec.serve.launch import SERVE_DEFAULTS
+
+    modes = args.modes.split(",")
+    if "off" not in modes:
+        raise SystemExit("bench serve --rounds: --modes must include off (the ratios' reference)")
+    waves: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for mode in modes:  # one after another: two start-ups at once would share the cores
+            overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels),
+                         "engine.max_context": args.max_context, **MODES[mode]}
+            overrides.update(item.partition("=")[::2] for item in args.set)
+            urls[mode] = stack.enter_context(launched(args.model, overrides, mode, args.config))
+        for url, model in urls.values():  # one short request primes each HTTP path; not measured
+            asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
+        for r in range(args.rounds):
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                waves[mode].append(bench_url(*urls[mode], prompts, levels, args))
+                print(f"[round {r + 1}] {mode}: " + ", ".join(f"C={w['concurrency']} {w['tok_s']:.1f} tok/s"
+                                                              for w in waves[mode][-1]), flush=True)
+        for mode, (url, _) in urls.items():
+            samples = metric_samples(url)
+            print(f"[{mode}] draft length per (batch, context) bucket: {adaptive_choice(samples) or 'n/a'}")
+            print(f"[{mode}] decode calls by batch bucket and draft length: {format_by_length(by_length(samples))}")
+    rows = []
+    for i, c in enumerate(levels):
+        off = [w[i]["tok_s"] for w in waves["off"]]
+        for mode in modes:
+            tps = [w[i]["tok_s"] for w in waves[mode]]
+            ratios = [t / o for t, o in zip(tps, off)]
+            rows.append([c, mode, float(np.median(tps)), float(np.median(ratios)), min(ratios), max(ratios),
+                         sum(x >= 0.97 for x in ratios), float(np.median([w[i]["ttft_p50"] for w in waves[mode]])),
+                         float(np.median([w[i]["tau"] for w in waves[mode]]))])
+    print(f"\njaxspec serve benchmark, {args.rounds} interleaved rounds: prompts={args.prompts}, "
+          f"{args.max_tokens} tokens per request (EOS ignored), temperature {args.temperature}")
+    print_table(["C", "mode", "tok/s median", "vs off, median of rounds", "min", "max", "rounds >= 0.97",
+                 "TTFT p50 s (median)", "tau"], rows)
+    return 0
+
+
 def adaptive_choice(samples: list) -> dict[tuple[int, int], int]:
     """The server's current draft length per (batch, context) bucket (`jaxspec_spec_num_steps`)."""
     out = {(int(s.labels["batch_bucket"]), int(s.labels["context_bucket"])): int(s.value)
@@ -218,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--modes", help="default off,on,adaptive; multiturn off,on")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the Hugging Face batch-1 peer (0 = skip)")
+    p.add_argument("--rounds", type=int, default=1, help="single workload: keep every mode's server up and "
+                   "let their waves take turns N times (ABBA), reporting the median ratio to off per level")
     p.add_argument("--logprobs", action="store_true", help="time each level without and with chat "
                    "logprobs (top_logprobs 1), side by side (issue 26)")
     p.add_argument("--workload", choices=list(WORKLOAD_DEFAULTS), default="single",
@@ -237,6 +287,10 @@ def main(argv=None) -> int:
 
         return constrained.run(args, levels, load_prompts(args.prompts, args.num_prompts))
     prompts = load_prompts(args.prompts, args.num_prompts)
+    if args.rounds < 1:
+        raise SystemExit(f"bench serve: --rounds must be at least 1, not {args.rounds}")
+    if args.rounds > 1 and not args.url:
+        return serve_interleaved(args, prompts, levels)
 
     if args.url:
         import httpx

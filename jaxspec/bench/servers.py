@@ -27,9 +27,10 @@ MODES = {
 @contextlib.contextmanager
 def launched(model: str, overrides: dict, label: str, config: str | None = None, port: int | None = None):
     """`python -m jaxspec.serve --model model` in its own process on loopback (a free port unless
-    given) with `--set` overrides, once /health answers: yields (url, served model name); SIGINT
-    stops it on exit. A process per server keeps runs apart (one process holding every mode's
-    executables runs out of mappings)."""
+    given) with `--set` overrides, once /health answers and the structured-output warm-up has
+    finished (it compiles on a core of its own after /health turns ready, for minutes, and slowed
+    whatever was timed meanwhile): yields (url, served model name); SIGINT stops it on exit. A process
+    per server keeps runs apart (one process holding every mode's executables runs out of mappings)."""
     import os
     import signal
     import socket
@@ -61,6 +62,13 @@ def launched(model: str, overrides: dict, label: str, config: str | None = None,
                     break
             time.sleep(1)
         print(f"[{label}] server ready in {time.perf_counter() - t0:.0f}s (log: {log.name})", flush=True)
+        t1 = time.perf_counter()
+        while warmup_state(url) == "running":
+            if proc.poll() is not None:
+                raise RuntimeError(f"[{label}] server exited with {proc.returncode}; log: {log.name}")
+            time.sleep(1)
+        if time.perf_counter() - t1 > 1:
+            print(f"[{label}] structured-output warm-up done {time.perf_counter() - t1:.0f}s later", flush=True)
         yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
     finally:
         proc.send_signal(signal.SIGINT)
@@ -84,6 +92,13 @@ def is_ready(url: str, what: str = "server") -> bool:
             reason = r.text
         raise RuntimeError(f"{what} failed to start: {reason}")
     return r.status_code == 200
+
+
+def warmup_state(url: str) -> str:
+    """/health's "warmup" of a ready server: running, done or off (older servers: off)."""
+    import httpx
+
+    return httpx.get(url + "/health", timeout=2).json().get("warmup", "off")
 
 
 def metric_samples(url: str) -> list:

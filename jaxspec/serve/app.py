@@ -132,7 +132,7 @@ def create_app(server: Server, *, body_timeout_s: float = BODY_READ_TIMEOUT_S) -
             return JSONResponse({"status": "error", "error": server.startup_error}, status_code=500)
         if not server.ready.is_set():
             return JSONResponse({"status": "starting"}, status_code=503)
-        return {"status": "ok", "model": server.model_name}
+        return {"status": "ok", "model": server.model_name, "warmup": server.warmup}
 
     @app.get("/metrics")
     async def metrics():

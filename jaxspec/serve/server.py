@@ -44,6 +44,14 @@ class Server:
     _stop_warmup: bool = False
 
     @property
+    def warmup(self) -> str:
+        """/health's "warmup": "running" while the "+grammar" builds compile on a background thread
+        (they take a core: a benchmark waits for "done" or "off" before it times anything)."""
+        if self._warmup is None:
+            return "off"
+        return "running" if self._warmup.is_alive() else "done"
+
+    @property
     def vocab_size(self) -> int:
         return self.runner.cfg.vocab_size
 
@@ -64,11 +72,11 @@ class Server:
             log.exception("start-up failed")
             raise
         self.scheduler.start()
-        self.ready.set()
         log.info("compiled %d buckets in %.1fs", self.runner.num_compiles, time.perf_counter() - t0)
-        if self.cfg.serve.grammar_warmup and jax.process_count() == 1:
+        if self.cfg.serve.grammar_warmup and jax.process_count() == 1:  # started first: /health never reads "off" for it
             self._warmup = threading.Thread(target=self._grammar_warmup, name="jaxspec-grammar-warmup", daemon=True)
             self._warmup.start()
+        self.ready.set()
 
     def _grammar_warmup(self) -> None:
         """Compile the "+grammar" builds (structured output) while serving: they cannot be stored."""
