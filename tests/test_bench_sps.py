@@ -88,3 +88,44 @@ def test_sampled_verify_steps_decide_what_the_loop_decides(tmp_path, capsys):
                    "--steps", "1", "--sampled", "--out", str(tmp_path / "x.json")])
     assert rc == 0 and not (tmp_path / "x.json").exists()
     assert "T 0.8, top-p 0.9 / greedy" in capsys.readouterr().out
+
+
+def test_sampled_steps_read_chat_text_from_a_prefilled_cache(monkeypatch):
+    """With `text`, each row's cache holds the text's first `context` tokens and the verified block is
+    its next w tokens: the block's logits equal one forward over the whole text (checked here through
+    the prefill `measure` runs). `chat_rows` cuts held-out ShareGPT conversations to that length."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxspec.cache.paged import KVCache
+
+    params, cfg, _ = sps.load("tiny", "float32", "xla")
+    b, ctx, w, ps = 2, 16, 4, 16
+    text = np.random.default_rng(1).integers(0, cfg.vocab_size, (b, ctx + w)).astype(np.int32)
+    table = 1 + jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)
+    fresh = lambda: KVCache.zeros(cfg.num_layers, 1 + b * 2, ps, cfg.num_kv_heads, cfg.head_dim)  # noqa: E731
+    fn = sps.make_verify_fn(cfg)
+    _, whole = fn(params, fresh(), jnp.asarray(text), table, jnp.zeros((b,), jnp.int32))
+    cache, _ = fn(params, fresh(), jnp.asarray(text[:, :ctx]), table, jnp.zeros((b,), jnp.int32))
+    _, block = fn(params, cache, jnp.asarray(text[:, ctx:]), table, jnp.full((b,), ctx, jnp.int32))
+    np.testing.assert_allclose(np.asarray(block), np.asarray(whole)[:, ctx:], rtol=1e-4, atol=1e-4)
+    # Control: over the zero cache (no prefill) the same block reads other logits.
+    _, cold = fn(params, fresh(), jnp.asarray(text[:, ctx:]), table, jnp.full((b,), ctx, jnp.int32))
+    assert not np.allclose(np.asarray(cold), np.asarray(whole)[:, ctx:], atol=1e-3)
+    rates = sps.measure(params, cfg, (b,), (w,), context=ctx, repeats=1, steps=1, page_size=ps,
+                        accepts={"greedy": sps.SAMPLED["greedy"]}, text=text)
+    assert set(rates) == {(b, w, "greedy")}
+
+    class Tok:  # one token per character of each message, so the lengths are known
+        def apply_chat_template(self, messages, tokenize=True):
+            return [ord(c) % 97 for m in messages for c in m["content"]]
+
+    from jaxspec.train import sharegpt
+
+    convs = [sharegpt.Conversation(str(i), ({"role": "user", "content": "hi " * (40 * i)},
+                                            {"role": "assistant", "content": "ok " * 50})) for i in range(5)]
+    monkeypatch.setattr(sharegpt, "sharegpt_conversations", lambda split: iter(convs))
+    rows = sps.chat_rows(Tok(), 3, 200)  # conversation 0 (150 characters) is too short
+    assert rows.shape == (3, 200) and rows.dtype == np.int32 and (rows[0, :3] == [ord(c) % 97 for c in "hi "]).all()
+    with pytest.raises(ValueError, match="only 2 conversations of 400"):
+        sps.chat_rows(Tok(), 3, 400)

@@ -79,6 +79,24 @@ def test_adaptive_turns_speculation_off_when_it_loses_and_on_when_it_wins():
     assert b.choose(1) == 0 and b.choose(32) == 0
 
 
+def test_adaptive_acceptance_weighs_each_call_by_what_it_saw():
+    """At C = 8 a batch-1 call of a repetitive prompt (4 verify steps, every draft accepted) lifted the
+    rate an EMA per call kept to 0.4 after a batch-8 call (32 steps, none accepted), E(3) past plain,
+    and the bucket switched to a losing chain of 3. Counted by reached positions, it is 4 / 36; many
+    such calls still move it (the estimate is not stuck), and old counts fade with a half-life."""
+    a = AdaptiveSteps((0, 3), {})
+    a.observe(3, (8, 512), [1] * 32, None)
+    a.observe(3, (1, 512), [4] * 4, None)
+    assert a.rates[0] == pytest.approx(4 / 36, rel=0.02) and a.expected_tokens(3) < 1.4  # the EMA: 2.2
+    for _ in range(40):
+        a.observe(3, (1, 512), [4] * 4, None)
+    assert a.rates[0] > 0.8 and a.expected_tokens(3) > 3
+    fast = AdaptiveSteps((0, 3), {}, rate_half_life=1)  # a short memory forgets most of the first call
+    fast.observe(3, (8, 512), [1] * 32, None)
+    fast.observe(3, (1, 512), [4] * 4, None)
+    assert fast.rates[0] > 0.6
+
+
 def test_adaptive_hysteresis_and_probing():
     cost = {(k, 4): 1.0 for k in (0, 2)}
     a = AdaptiveSteps((0, 2), cost, hysteresis=0.5, probe_every=4, max_probe_every=16)

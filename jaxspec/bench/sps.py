@@ -97,12 +97,34 @@ def make_verify_fn(cfg, accept: tuple[float, int, float] | None = None):
     return jax.jit(verify, donate_argnums=(1,))
 
 
+def chat_rows(tokenizer, rows: int, length: int) -> np.ndarray:  # [rows, length] int32
+    """`rows` held-out ShareGPT conversations (the chat template over their user and assistant turns)
+    cut to `length` tokens each: what a sampled verify reads must be chat's logits. Over random tokens
+    in an empty cache the logits are flat, every row's nucleus overflows the sampler's top-64
+    candidates and the step takes the dense path, which chat rarely does (docs/benchmarks.md)."""
+    from jaxspec.train.sharegpt import sharegpt_conversations
+
+    out = []
+    for conv in sharegpt_conversations("heldout"):
+        ids = tokenizer.apply_chat_template(list(conv.messages), tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if len(ids) >= length:
+            out.append(ids[:length])
+            if len(out) == rows:
+                return np.asarray(out, np.int32)
+    raise ValueError(f"ShareGPT's held-out split has only {len(out)} conversations of {length}+ tokens; "
+                     f"{rows} needed (lower --context)")
+
+
 def measure(params, cfg, batches, widths, *, context: int = 256, repeats: int = 3, steps: int = 5,
             page_size: int = 16, seed: int = 0, progress: bool = False,
-            accepts: dict[str, tuple] | None = None) -> dict[tuple, float]:
+            accepts: dict[str, tuple] | None = None, text: np.ndarray | None = None) -> dict[tuple, float]:
     """{(B, w): median verify steps/s} for every batch x width; `params` in the runtime layout
     (`prepare_params`). With `accepts` ({label: (temperature, top_k, top_p)}): {(B, w, label): ...},
-    each step also deciding the emitted tokens under that sampling (`make_verify_fn`).
+    each step also deciding the emitted tokens under that sampling (`make_verify_fn`). With `text`
+    ([max B, context + max w] token ids), each row's cache holds its first `context` tokens
+    (prefilled) and the verified block is the text's next w tokens; else the cache is zeros and the
+    block random.
 
     Every (B, w) is compiled and warmed first; then the repeats run round-robin over all of them,
     so a spell of other work on the machine slows every configuration alike instead of a few."""
@@ -120,8 +142,12 @@ def measure(params, cfg, batches, widths, *, context: int = 256, repeats: int = 
                                   cfg.head_dim, dtype)
         tables[b] = jnp.asarray(1 + np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq))
         lens[b] = jnp.full((b,), context, jnp.int32)
+        if text is not None:  # one chain block of the whole context from slot 0: the prefill
+            caches[b], _ = make_verify_fn(cfg)(params, caches[b], jnp.asarray(text[:b, :context]), tables[b],
+                                               jnp.zeros((b,), jnp.int32))
         for w in widths:
-            toks[b, w] = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, w)), jnp.int32)
+            toks[b, w] = (jnp.asarray(text[:b, context:context + w]) if text is not None
+                          else jnp.asarray(rng.integers(0, cfg.vocab_size, (b, w)), jnp.int32))
             for label, fn in fns.items():
                 t0 = time.perf_counter()
                 caches[b], logits = fn(params, caches[b], toks[b, w], tables[b], lens[b])  # compile + warm
@@ -272,10 +298,17 @@ def main(argv=None) -> int:
               f"{cfg.max_position_embeddings} positions", file=sys.stderr)
         return 2
     if args.sampled:
+        text = None
+        if args.model != "tiny":
+            from jaxspec.models.loading import load_model
+
+            text = chat_rows(load_model(args.model, progress=False).tokenizer, max(args.batches),
+                             args.context + max(args.widths))
         before = _load()
         measured = measure(params, cfg, args.batches, args.widths, context=args.context, repeats=args.repeats,
-                           steps=args.steps, page_size=args.page_size, progress=True, accepts=SAMPLED)
-        print(f"\n{name}, context {args.context}, {device_description()}, {time.strftime('%Y-%m-%d')}"
+                           steps=args.steps, page_size=args.page_size, progress=True, accepts=SAMPLED, text=text)
+        print(f"\n{name}, context {args.context} ({'held-out ShareGPT chat' if text is not None else 'random tokens'}), "
+              f"{device_description()}, {time.strftime('%Y-%m-%d')}"
               + (f", {load_note(before, _load())}" if before is not None else ""))
         print_sampled(measured)
         return 0

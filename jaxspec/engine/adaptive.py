@@ -5,7 +5,11 @@ batch grows, decode stops being bandwidth-bound and verify stops being free,
 so the best draft length falls, down to 0 (plain decoding).
 
 Model (chain drafts): r_i is the rate at which draft position i is accepted
-given position i-1 was, an EMA over observed verify steps. A step drafting k
+given position i-1 was: accepted over reached, both counted over verify steps
+with a half-life of `rate_half_life` reached positions, so a call weighs what
+it saw. (An EMA per call let one batch-1 call of a repetitive prompt lift E(3)
+at batch 8 from 1.4 to 2.2 and switch the bucket to a losing chain of 3 for a
+call, then drop it back; at C = 8 that flapping cost the server 2-4%.) A step drafting k
 tokens commits E(k) = 1 + sum_{i<=k} prod_{j<=i} r_j tokens on average
 (bonus included). cost(k, bucket) is the seconds per iteration in a decode
 bucket (batch size, context): seeded by a start-up calibration of every
@@ -43,7 +47,8 @@ log = logging.getLogger("jaxspec.adaptive")
 class AdaptiveSteps:
     def __init__(self, candidates: Sequence[int], cost: Mapping[tuple, float], *, ema: float = 0.1,
                  hysteresis: float = 0.1, probe_every: int = 16, max_probe_every: int = 256,
-                 prior_rate: float = 0.5, explore: bool = True, plausible: float = 0.75):
+                 prior_rate: float = 0.5, explore: bool = True, plausible: float = 0.75,
+                 rate_half_life: float = 256.0):
         self.candidates = tuple(sorted(set(candidates)))
         if not self.candidates or min(self.candidates) < 0:
             raise ValueError(f"adaptive candidates must be non-negative draft lengths, got {candidates}")
@@ -55,6 +60,9 @@ class AdaptiveSteps:
         depth = max(self.candidates)
         self.rates = [prior_rate] * depth  # r_1..r_depth
         self.observed = [False] * depth
+        self._accepted = [0.0] * depth  # decayed counts behind each observed rate
+        self._reached = [0.0] * depth
+        self._decay = 0.5 ** (1.0 / rate_half_life)  # per reached position
         self.current: dict[Hashable, int] = {}  # bucket -> k
         self._calls: dict[Hashable, int] = {}
         self._probe_turn: dict[Hashable, int] = {}
@@ -173,9 +181,10 @@ class AdaptiveSteps:
             reached = sum(1 for a in accept_lens if a - 1 >= i)
             if not reached:
                 break
-            rate = sum(1 for a in accept_lens if a - 1 >= i + 1) / reached
-            w = min(1.0, self.ema * reached)
-            self.rates[i] = rate if not self.observed[i] else (1 - w) * self.rates[i] + w * rate
+            keep = self._decay ** reached
+            self._accepted[i] = keep * self._accepted[i] + sum(1 for a in accept_lens if a - 1 >= i + 1)
+            self._reached[i] = keep * self._reached[i] + reached
+            self.rates[i] = self._accepted[i] / self._reached[i]
             self.observed[i] = True
 
 
