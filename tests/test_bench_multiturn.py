@@ -205,3 +205,44 @@ def test_time_split_differences_the_counters_over_a_level():
     assert "queue 1.00 s + prefill 2.00 s" in mt.split_line(t)
     # A server without these series (an older build, another engine) reads NaN means, not a crash.
     assert math.isnan(mt.time_split(mt.counter_totals([]), mt.counter_totals([]))["queue_mean"])
+
+
+def test_rounds_take_turns_and_read_the_cache_ratio_per_round(monkeypatch, capsys):
+    """--rounds with the multiturn workload: the cache-on and cache-off servers stay up, their replays
+    alternate ABBA, and the TTFT ratio is read round by round (each round's machine speed falls on
+    both; here 1.0, 0.5, 0.8 times a true 4x). Servers and replays are stubbed. --rounds with --url or
+    the constrained workload is refused, not ignored."""
+    import contextlib
+
+    from jaxspec.bench import multiturn as mt
+    from jaxspec.bench import serve as bs
+    from jaxspec.bench import servers
+
+    order, machine = [], [1.0, 0.5, 0.8]
+
+    @contextlib.contextmanager
+    def fake_launched(model, overrides, label, config=None):
+        yield f"http://{label}", "m"
+
+    def fake_server(url, model, convs, levels, args, label):
+        slow = 1 / machine[len(order) // 2]
+        order.append(label["cache"])
+        ttft = (1.0 if label["cache"] == "on" else 4.0) * slow
+        return {(c, label["spec"], label["cache"]): {"requests": 4, "ttft_p50": ttft, "ttft_p99": ttft, "tok_s": 1.0,
+                                                     "hit_rate": 0.5, "hit_rate_late": 0.8, "prompt": 10, "cached": 5,
+                                                     "prompt_late": 4, "cached_late": 3} for c in levels}
+
+    monkeypatch.setattr(servers, "launched", fake_launched)
+    monkeypatch.setattr(mt, "run_server", fake_server)
+    monkeypatch.setattr(mt, "load_conversations", lambda n, turns: [["hi"]] * n)
+    assert bs.main(["--workload", "multiturn", "--concurrency", "8", "--modes", "off", "--rounds", "3",
+                    "--hf-prompts", "0"]) == 0
+    assert order == ["on", "off", "off", "on", "on", "off"]
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 8 | off | on |"))
+    assert [c.strip() for c in row.strip("|").split("|")][4:] == ["4.00", "4.00", "4.00", "3"]
+    for argv, why in ((["--rounds", "2", "--url", "http://x"], "not with --url"),
+                      (["--rounds", "2", "--workload", "constrained"], "constrained runs one pass"),
+                      (["--rounds", "0"], "at least 1")):
+        with pytest.raises(SystemExit, match=why):
+            bs.main(argv + ["--hf-prompts", "0"])

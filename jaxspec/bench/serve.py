@@ -266,8 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--modes", help="default off,on,adaptive; multiturn off,on")
     p.add_argument("--hf-prompts", type=int, default=3, help="prompts for the Hugging Face batch-1 peer (0 = skip)")
-    p.add_argument("--rounds", type=int, default=1, help="single workload: keep every mode's server up and "
-                   "let their waves take turns N times (ABBA), reporting the median ratio to off per level")
+    p.add_argument("--rounds", type=int, default=1, help="single and multiturn workloads: keep every server up "
+                   "and let their waves take turns N times (ABBA), reporting the median of per-round ratios")
     p.add_argument("--logprobs", action="store_true", help="time each level without and with chat "
                    "logprobs (top_logprobs 1), side by side (issue 26)")
     p.add_argument("--workload", choices=list(WORKLOAD_DEFAULTS), default="single",
@@ -280,6 +280,12 @@ def main(argv=None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.rounds < 1:
+        raise SystemExit(f"bench serve: --rounds must be at least 1, not {args.rounds}")
+    if args.rounds > 1 and args.url:
+        raise SystemExit("bench serve: --rounds starts its own servers to interleave; not with --url")
+    if args.rounds > 1 and args.workload == "constrained":
+        raise SystemExit("bench serve: --rounds is for the single and multiturn workloads; constrained runs one pass")
     if args.workload == "multiturn":
         return multiturn.run(args, levels)
     if args.workload == "constrained":
@@ -287,9 +293,7 @@ def main(argv=None) -> int:
 
         return constrained.run(args, levels, load_prompts(args.prompts, args.num_prompts))
     prompts = load_prompts(args.prompts, args.num_prompts)
-    if args.rounds < 1:
-        raise SystemExit(f"bench serve: --rounds must be at least 1, not {args.rounds}")
-    if args.rounds > 1 and not args.url:
+    if args.rounds > 1:
         return serve_interleaved(args, prompts, levels)
 
     if args.url:
