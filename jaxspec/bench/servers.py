@@ -28,8 +28,8 @@ MODES = {
 def launched(model: str, overrides: dict, label: str, config: str | None = None, port: int | None = None):
     """`python -m jaxspec.serve --model model` in its own process on loopback (a free port unless
     given) with `--set` overrides, once /health answers and the structured-output warm-up has
-    finished (it compiles on a core of its own after /health turns ready, for minutes, and slowed
-    whatever was timed meanwhile): yields (url, served model name); SIGINT stops it on exit. A process
+    finished (it compiles on a core after /health turns ready, and a wave timed meanwhile shares
+    the cores with it): yields (url, served model name); SIGINT stops it on exit. A process
     per server keeps runs apart (one process holding every mode's executables runs out of mappings)."""
     import os
     import signal
