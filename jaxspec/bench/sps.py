@@ -242,7 +242,8 @@ def print_report(table) -> None:
 
 
 def load(model: str, dtype_name: str, cpu_kernels: str):
-    """(runtime params, config, name): "default" (embedded SmolLM2), "tiny" (random) or a path."""
+    """(runtime params, config, name, tokenizer or None): "default" (embedded SmolLM2), "tiny"
+    (random, no tokenizer) or a path."""
     from jaxspec.models.llama import prepare_params
     from jaxspec.native.build import use_native_kernels
 
@@ -251,14 +252,14 @@ def load(model: str, dtype_name: str, cpu_kernels: str):
         from jaxspec.bench.gpu import TINY, random_model
 
         cfg, params = random_model(TINY, dtype)
-        name = "tiny (random)"
+        name, tokenizer = "tiny (random)", None
     else:
         from jaxspec.models.loading import load_model
 
         m = load_model(model, dtype=dtype, progress=False)
-        cfg, params, name = m.config, m.params, m.path.name if m.path is not None else model
+        cfg, params, name, tokenizer = m.config, m.params, m.path.name if m.path is not None else model, m.tokenizer
     native = use_native_kernels(cpu_kernels, dtype, None)
-    return prepare_params(params, cfg, native=native), cfg, name
+    return prepare_params(params, cfg, native=native), cfg, name, tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +290,7 @@ def main(argv=None) -> int:
             print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}", file=sys.stderr)
             return 2
     try:
-        params, cfg, name = load(args.model, args.dtype, args.cpu_kernels)
+        params, cfg, name, tokenizer = load(args.model, args.dtype, args.cpu_kernels)
     except (ValueError, ConfigError, LoadError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -298,12 +299,7 @@ def main(argv=None) -> int:
               f"{cfg.max_position_embeddings} positions", file=sys.stderr)
         return 2
     if args.sampled:
-        text = None
-        if args.model != "tiny":
-            from jaxspec.models.loading import load_model
-
-            text = chat_rows(load_model(args.model, progress=False).tokenizer, max(args.batches),
-                             args.context + max(args.widths))
+        text = None if tokenizer is None else chat_rows(tokenizer, max(args.batches), args.context + max(args.widths))
         before = _load()
         measured = measure(params, cfg, args.batches, args.widths, context=args.context, repeats=args.repeats,
                            steps=args.steps, page_size=args.page_size, progress=True, accepts=SAMPLED, text=text)
