@@ -60,7 +60,6 @@ class AdaptiveSteps:
         self.max_probe_every = max(max_probe_every, probe_every)
         depth = max(self.candidates)
         self.rates = [prior_rate] * depth  # r_1..r_depth
-        self.observed = [False] * depth
         self._accepted = [0.0] * depth  # decayed counts behind each observed rate
         self._reached = [0.0] * depth
         self._decay = 0.5 ** (1.0 / rate_half_life)  # per reached position
@@ -77,10 +76,15 @@ class AdaptiveSteps:
 
     # ---- model -------------------------------------------------------------------
 
+    @property
+    def observed(self) -> list[bool]:
+        """Per draft position: whether any verify step has reached it (else its rate is the prior)."""
+        return [r > 0 for r in self._reached]
+
     def _rate(self, i: int) -> float:
         """r_{i+1} (0-based i): observed, else the deepest observed shallower one."""
         for j in range(i, -1, -1):
-            if self.observed[j]:
+            if self._reached[j] > 0:
                 return self.rates[j]
         return self.rates[i]
 
@@ -186,7 +190,6 @@ class AdaptiveSteps:
             self._accepted[i] = keep * self._accepted[i] + sum(1 for a in accept_lens if a - 1 >= i + 1)
             self._reached[i] = keep * self._reached[i] + reached
             self.rates[i] = self._accepted[i] / self._reached[i]
-            self.observed[i] = True
 
 
 class EngineAdaptive:
