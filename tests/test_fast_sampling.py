@@ -157,7 +157,7 @@ def _dense_race(logits, t, k, p, keys, token_ids=None, noise_size=None):
 def test_race_filtered_equals_the_dense_race(reduced):
     rng = np.random.default_rng(11 + reduced)
     token_ids = jnp.asarray(rng.permutation(2 * V)[:V], jnp.int32) if reduced else None
-    race = jax.jit(lambda *a: race_filtered(*a, token_ids=token_ids, noise_size=2 * V, tiers=(16, 64)))
+    race = jax.jit(lambda *a: race_filtered(*a, token_ids=token_ids, tiers=(16, 64)))
     for trial in range(30):
         logits, t, k, p = _race_case(rng)
         keys = _keys(4, 3, trial)
@@ -170,7 +170,7 @@ def test_race_filtered_races_only_the_candidates_where_they_decide(monkeypatch):
     """With the dense race poisoned (noise 1: the race becomes an argmax), rows whose kept set
     fits the candidates still draw the reference token, so the fast path ran; a flat
     temperature-only row cannot fit, and there the poison shows (the positive control)."""
-    poisoned = lambda keys, vocab, token_ids, size: jnp.ones((*keys.shape, vocab), jnp.float32)  # noqa: E731
+    poisoned = lambda keys, vocab, token_ids: jnp.ones((*keys.shape, vocab), jnp.float32)  # noqa: E731
     monkeypatch.setattr(sampling, "_dense_noise", poisoned)
     rng = np.random.default_rng(5)
     fits = jax.jit(lambda *a: race_filtered(*a, tiers=(16, 64)))

@@ -93,16 +93,46 @@ def test_exp_noise_is_positive_and_finite_for_every_uniform():
     uniform, so checking them all replaces any number of random draws."""
     from jaxspec.speculative import sampling
 
-    bits = (jnp.arange(1 << 23, dtype=jnp.uint32) << 9)
-    orig = jax.random.bits
-    try:
-        jax.random.bits = lambda key, shape, dtype: bits  # the mapping from bits to E, over all of them
-        e = np.asarray(sampling.exp_noise(jax.random.key(0), bits.shape))
-    finally:
-        jax.random.bits = orig
+    e = np.asarray(sampling._exp_from_bits(jnp.arange(1 << 23, dtype=jnp.uint32) << 9))
     assert np.isfinite(e).all() and e.min() > 5e-8 and e.max() < 17.0
     # It is Exp(1): the mean of -log(u) over the uniform grid is 1.
     assert abs(e.mean() - 1.0) < 1e-4
+
+
+def _hash_chi2_pvalues(bits_fn) -> list[float]:
+    """Chi-square p-values of a noise hash's uniforms: one-dimensional (256 bins, 2^18 draws over
+    256 keys of consecutive seeds), pairs of neighbouring entries (16 x 16), and the same entry
+    under neighbouring keys (16 x 16): the structure a weak hash of (key, index) leaves."""
+    from scipy import stats
+
+    from jaxspec.speculative.sampling import race_key
+
+    keys = jax.vmap(race_key)(jnp.arange(256, dtype=jnp.uint32), jnp.full(256, 7))
+    u = np.asarray(bits_fn(keys, jnp.broadcast_to(jnp.arange(1024, dtype=jnp.uint32), (256, 1024))))
+    u = (u >> 24).astype(np.int64)  # the top 8 bits: 256 bins
+    pvals = [stats.chisquare(np.bincount(u.ravel(), minlength=256)).pvalue]
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):
+        pairs = np.bincount(((a >> 4) * 16 + (b >> 4)).ravel(), minlength=256)
+        pvals.append(stats.chisquare(pairs).pvalue)
+    return pvals
+
+
+def test_noise_hash_is_uniform_and_independent():
+    from jaxspec.speculative.sampling import noise_bits
+
+    assert min(_hash_chi2_pvalues(noise_bits)) > 1e-4
+
+
+def test_noise_hash_detector_catches_a_weak_hash():
+    """Positive control: one multiply-xorshift round keyed by the first key word alone passes the
+    one-dimensional count but leaves neighbouring entries dependent."""
+    from jaxspec.speculative import sampling
+
+    def weak(keys, ids):
+        k0 = jax.random.key_data(keys)[..., 0:1]
+        return (ids ^ k0) * jnp.uint32(0x9E3779B9)
+
+    assert min(_hash_chi2_pvalues(weak)) < 1e-6
 
 
 def peaked_rows(b: int, vocab: int = 49152, support: int = 10) -> np.ndarray:

@@ -86,8 +86,8 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from jaxspec.pallas import interpret_mode, kernel_backend, use_kernel
-from jaxspec.speculative.sampling import (UNDECIDED, coupled_keys, coupled_predict, make_verify_noise, race_first_tier,
-                                         race_past_first_tier, race_sample, sparse_noise_supported)
+from jaxspec.speculative.sampling import (UNDECIDED, coupled_keys, make_verify_noise, race_first_tier,
+                                         race_past_first_tier, race_sample)
 
 # VerifyResult lives in a leaf module the Pallas kernels import too (a kernel
 # never imports its dispatcher); re-exported here, where its convention is.
@@ -381,9 +381,6 @@ def verify_coupled(
        at a decided node: a chain races at most one position in full per step, and the flat
        positions past the first miss never.
     """
-    if not sparse_noise_supported():  # no candidate races: the whole block, densely
-        return verify_greedy(tokens, retrieve_next_token, retrieve_next_sibling,
-                             coupled_predict(logits, depth, sampling, hist_len, max_depth), max_depth=max_depth)
     walk = functools.partial(verify_greedy, tokens, retrieve_next_token, retrieve_next_sibling, max_depth=max_depth)
     keys = coupled_keys(sampling.seed, depth, hist_len, max_depth)
     rows = jnp.arange(tokens.shape[0])

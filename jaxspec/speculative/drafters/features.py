@@ -104,7 +104,7 @@ def choose_draft(
     if coupled:
         keys = jax.vmap(race_key)(sampling.seed, hist_len + depth - 1)[:, None]
         idx = race_filtered(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p, keys,
-                            token_ids=d2t, noise_size=vocab)[:, 0]
+                            token_ids=d2t)[:, 0]
         return (idx if d2t is None else d2t[idx]), None
 
     def sampled():
