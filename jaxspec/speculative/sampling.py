@@ -256,9 +256,12 @@ def _cutoff(
     k_on = (top_k > 0) & (top_k < vocab)
     in_top_k = rank < jnp.where(k_on, top_k, vocab)[:, None, None]
     # 1. The top-p mass: over the top-k set when top-k is on (then it must lie inside the kk
-    #    values), else over the whole vocabulary (normalised by the full logsumexp).
+    #    values), else over the whole vocabulary (normalised by the full logsumexp, a pass over V
+    #    paid only when some row is top-p alone; the others never read probs_v).
     probs_k = jax.nn.softmax(jnp.where(in_top_k, vals, -jnp.inf), axis=-1)
-    probs_v = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    lse = jax.lax.cond(jnp.any(~k_on & (top_p < 1.0)), lambda: jax.nn.logsumexp(scaled, axis=-1, keepdims=True),
+                       lambda: jnp.max(vals, axis=-1, keepdims=True))
+    probs_v = jnp.exp(vals - lse)
     probs = jnp.where(k_on[:, None, None], probs_k, probs_v)
     cum = jnp.cumsum(probs, axis=-1)
     p = top_p[:, None, None]
@@ -559,8 +562,14 @@ def race_past_first_tier(
     keys: jax.Array,
 ) -> Int[Array, "B N"]:
     """`race_filtered` for rows `race_first_tier` left UNDECIDED: the same token, from the second
-    tier on (the first is known not to decide them)."""
-    return race_filtered(logits, temperature, top_k, top_p, keys, tiers=SELECT_TIERS[1:])
+    tier on (the first is known not to decide them). A batch whose sampled rows filter nothing
+    races densely at once: a wider tier decides such a row only when its best candidate clears
+    the kk-th value by `_MAX_RACE_GAIN`, and its `top_k` costs more than the race (8 rows of
+    49,152: 1.4 ms against 0.9 ms, measured)."""
+    vocab = logits.shape[-1]
+    plain = (temperature <= 0.0) | (((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0))
+    return jax.lax.cond(jnp.all(plain), lambda: race_filtered(logits, temperature, top_k, top_p, keys, tiers=()),
+                        lambda: race_filtered(logits, temperature, top_k, top_p, keys, tiers=SELECT_TIERS[1:]))
 
 
 def _dense_noise(keys: jax.Array, vocab: int, token_ids: Int[Array, "V"] | None) -> Float[Array, "B N V"]:
