@@ -109,7 +109,7 @@ class ModelRunner:
         self.num_shards = mesh.shape["data"] if self.split_pages else 1
         self.progress = progress
         self.model_cfg = cfg  # as loaded; self.cfg is what runs (heads padded for the mesh)
-        params, cfg, self.padding = shd.pad_for_mesh(params, cfg, mesh, "model", progress)
+        params, cfg, _ = shd.pad_for_mesh(params, cfg, mesh, "model", progress)
         self._unstack = None if engine_cfg.layer_loop == "auto" else engine_cfg.layer_loop == "unrolled"
         self.native_kernels = use_native_kernels(engine_cfg.cpu_kernels, params["embed"].dtype, mesh)
         runtime = prepare_params(params, cfg, unstack=self._unstack, native=self.native_kernels,
@@ -141,11 +141,9 @@ class ModelRunner:
         self.plans = {k: plan_for_steps(self.base_plan, k) for k in self.candidates}
         self.max_depth = max(p.max_depth for p in self.plans.values())
         self.steps_per_call = steps_per_call
-        self.draft_padding = None
         dparams, dcfg = draft if draft is not None else (None, None)
         if isinstance(dcfg, ModelConfig):
-            dparams, dcfg, self.draft_padding = shd.pad_for_mesh(dparams, dcfg, self.mesh, "draft model",
-                                                                       self.progress)
+            dparams, dcfg, _ = shd.pad_for_mesh(dparams, dcfg, self.mesh, "draft model", self.progress)
         self.draft_cfg = dcfg
         self.drafters = {k: self._build_drafter(plan, k) for k, plan in self.plans.items()}
         # Every plan's drafter keeps the main drafter's state layout (they differ in draft length

@@ -5,8 +5,7 @@ One program per sequence builds that sequence's whole tree in registers/VMEM:
 * ancestor-or-self closure by repeated boolean squaring of (I + parent edge):
   ceil(log2(N-1)) small MXU/tensor-core matmuls instead of an N-long walk;
 * depth = row popcount of the closure, positions = prefix_len + depth;
-* first child / next sibling as masked row-minima over pairwise parent tests;
-* the bit-packed mask as a shifted row sum per 32-column word.
+* first child / next sibling as masked row-minima over pairwise parent tests.
 
 Layout choices (why the wrapper reshapes):
 * N is padded to Np = max(16, next_pow2(N)): Triton needs power-of-two array
@@ -16,11 +15,8 @@ Layout choices (why the wrapper reshapes):
 * Per-node vectors arrive twice, as a row [1, Np] and a column [Np, 1], so the
   pairwise tests are plain broadcasts with no in-kernel transpose (TPU Mosaic
   relayouts are the fragile part). Per-node outputs leave as [Np, 1] columns.
-* Everything in the kernel is int32/bf16/f32: bool and uint32 refs are poorly
-  supported on Mosaic, so the mask leaves as int32 and the packed words as
-  int32 (bitcast to uint32 outside).
-* The packed mask leaves as [W, Np, 1] (one column store per word) so W need
-  not be a power of two.
+* Everything in the kernel is int32/bf16/f32: bool refs are poorly supported
+  on Mosaic, so the mask leaves as int32.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from jaxspec.pallas import target_platform
 
 # The shared leaf module, not jaxspec.speculative.tree: that module dispatches
 # to this kernel, and a kernel never imports its callers.
-from jaxspec.pallas.types import TreeInfo, assemble_tree_info, node_valid, num_mask_words
+from jaxspec.pallas.types import TreeInfo, assemble_tree_info, node_valid
 
 
 def _padded_nodes(n: int) -> int:
@@ -45,10 +41,10 @@ def _padded_nodes(n: int) -> int:
 
 
 def _tree_kernel(prefix_ref, prow_ref, pcol_ref, trow_ref, tcol_ref,
-                 mask_ref, depth_ref, pos_ref, next_tok_ref, next_sib_ref, packed_ref,
-                 *, n_words: int, n_squarings: int):
+                 mask_ref, depth_ref, pos_ref, next_tok_ref, next_sib_ref,
+                 *, n_squarings: int):
     # Refs (batch dim squeezed): prefix [1,1]; p/t row [1,Np]; p/t col [Np,1];
-    # mask [Np,Np]; depth/pos/next_tok/next_sib [Np,1]; packed [W,Np,1].
+    # mask [Np,Np]; depth/pos/next_tok/next_sib [Np,1].
     np_ = prow_ref.shape[-1]
     prow, pcol = prow_ref[...], pcol_ref[...]
     ri = lax.broadcasted_iota(jnp.int32, (np_, np_), 0)  # row node i
@@ -77,13 +73,6 @@ def _tree_kernel(prefix_ref, prow_ref, pcol_ref, trow_ref, tcol_ref,
     sib = (pcol == prow) & (cj > ri) & vrow & vcol & (ri >= 1)
     nxt = jnp.min(jnp.where(sib, cj, np_), axis=1, keepdims=True)
     next_sib_ref[...] = jnp.where(nxt == np_, -1, nxt)
-
-    # 4. Bit-pack: distinct bits never carry, so an int32 sum is an OR
-    #    (bit 31 wraps to the sign bit, which the uint32 bitcast restores).
-    bit = jnp.left_shift(jnp.ones_like(cj), cj & 31)
-    for w in range(n_words):
-        word = jnp.where(reach & ((cj >> 5) == w), bit, 0)
-        packed_ref[w] = jnp.sum(word, axis=1, keepdims=True)
 
 
 def _target_platform() -> str:
@@ -125,7 +114,6 @@ def build_tree_pallas(
     for one platform is never reused when lowering for another."""
     b, n = tokens.shape
     np_ = _padded_nodes(n)
-    n_words = num_mask_words(n)  # real rows have no bits past column n
     # k squarings cover paths of 2^k edges; real paths have <= n-1 edges
     # (padding nodes, including the Np-n extra ones, have no edge at all).
     n_squarings = max(n - 2, 0).bit_length()
@@ -141,15 +129,13 @@ def build_tree_pallas(
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
 
     col = jax.ShapeDtypeStruct((b, np_, 1), jnp.int32)
-    kernel = functools.partial(_tree_kernel, n_words=n_words, n_squarings=n_squarings)
-    mask, depth, pos, next_tok, next_sib, packed = pl.pallas_call(
+    kernel = functools.partial(_tree_kernel, n_squarings=n_squarings)
+    mask, depth, pos, next_tok, next_sib = pl.pallas_call(
         kernel,
         grid=(b,),
         in_specs=[spec(1, 1), spec(1, np_), spec(np_, 1), spec(1, np_), spec(np_, 1)],
-        out_specs=[spec(np_, np_), spec(np_, 1), spec(np_, 1), spec(np_, 1),
-                   spec(np_, 1), spec(n_words, np_, 1)],
-        out_shape=[jax.ShapeDtypeStruct((b, np_, np_), jnp.int32), col, col, col, col,
-                   jax.ShapeDtypeStruct((b, n_words, np_, 1), jnp.int32)],
+        out_specs=[spec(np_, np_), spec(np_, 1), spec(np_, 1), spec(np_, 1), spec(np_, 1)],
+        out_shape=[jax.ShapeDtypeStruct((b, np_, np_), jnp.int32), col, col, col, col],
         interpret=interpret,
         compiler_params=_compiler_params(interpret, platform),
         name="build_tree",
@@ -157,9 +143,7 @@ def build_tree_pallas(
 
     # 3. Strip the padding nodes and restore dtypes.
     mask = mask[:, :n, :n] != 0
-    packed = lax.bitcast_convert_type(packed[:, :, :n, 0], jnp.uint32)
-    packed = jnp.transpose(packed, (0, 2, 1))
-    info = assemble_tree_info(depth[:, :n, 0], mask, packed, next_tok[:, :n, 0],
-                              next_sib[:, :n, 0], node_valid(tokens), prefix_lens, max_kv)
+    info = assemble_tree_info(depth[:, :n, 0], mask, next_tok[:, :n, 0], next_sib[:, :n, 0],
+                              node_valid(tokens), prefix_lens, max_kv)
     # assemble_tree_info recomputes positions identically; keep the kernel's.
     return dataclasses.replace(info, positions=pos[:, :n, 0])

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, UInt32
+from jaxtyping import Array, Bool, Int
 
 
 # --------------------------------------------------------------------------
@@ -37,9 +37,8 @@ class VerifyResult(NamedTuple):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
-        "depth", "positions", "mask", "packed_mask", "retrieve_index",
-        "retrieve_next_token", "retrieve_next_sibling", "valid", "prefix_lens",
-        "full_mask",
+        "depth", "positions", "mask", "retrieve_next_token", "retrieve_next_sibling",
+        "valid", "prefix_lens", "full_mask",
     ],
     meta_fields=[],
 )
@@ -47,14 +46,12 @@ class VerifyResult(NamedTuple):
 class TreeInfo:
     """Everything verification needs about one batch of draft trees.
 
-    W = ceil(N / 32). Index tables are int32; -1 means "none".
+    Index tables are int32; -1 means "none".
     """
 
     depth: jax.Array  # [B, N] int32; root 0, padding nodes 1 (child of root)
     positions: jax.Array  # [B, N] int32; prefix_lens + depth (siblings share)
     mask: jax.Array  # [B, N, N] bool; [b,i,j]: j is ancestor-or-self of i
-    packed_mask: jax.Array  # [B, N, W] uint32; bit j%32 of word j//32 = mask
-    retrieve_index: jax.Array  # [B, N] int32; b*N + i (flat verify row)
     retrieve_next_token: jax.Array  # [B, N] int32; first non-padding child
     retrieve_next_sibling: jax.Array  # [B, N] int32; next non-padding sibling
     valid: jax.Array  # [B, N] bool; False for padding nodes
@@ -64,10 +61,6 @@ class TreeInfo:
     def full_layout_mask(self, max_kv: int) -> jax.Array:
         """[B, N, max_kv] bool; see `full_tree_mask`."""
         return full_tree_mask(self.mask, self.prefix_lens, max_kv)
-
-
-def num_mask_words(n: int) -> int:
-    return -(-n // 32)
 
 
 def node_valid(tokens: Int[Array, "B N"]) -> Bool[Array, "B N"]:
@@ -99,24 +92,18 @@ def full_tree_mask(
 def assemble_tree_info(
     depth: Int[Array, "B N"],
     mask: Bool[Array, "B N N"],
-    packed: UInt32[Array, "B N W"],
     next_token: Int[Array, "B N"],
     next_sibling: Int[Array, "B N"],
     valid: Bool[Array, "B N"],
     prefix_lens: Int[Array, "B"],
     max_kv: int | None,
 ) -> TreeInfo:
-    """Add the derived fields (positions, retrieve_index, full mask)."""
-    b, n = depth.shape
+    """Add the derived fields (positions, full mask)."""
     prefix_lens = prefix_lens.astype(jnp.int32)
-    retrieve_index = (jnp.arange(b, dtype=jnp.int32)[:, None] * n
-                      + jnp.arange(n, dtype=jnp.int32)[None, :])
     return TreeInfo(
         depth=depth,
         positions=prefix_lens[:, None] + depth,
         mask=mask,
-        packed_mask=packed,
-        retrieve_index=retrieve_index,
         retrieve_next_token=next_token,
         retrieve_next_sibling=next_sibling,
         valid=valid,

@@ -17,7 +17,7 @@ Tree convention (shared by every drafter and verifier in jaxspec):
   cache slot prefix_lens[b] + i during verification.
 
 `build_tree` turns (tokens, parents, prefix_lens) into a `TreeInfo`: depths,
-RoPE positions, the ancestor mask (bool and bit-packed, qlen-only layout) and
+RoPE positions, the ancestor mask (bool, qlen-only layout) and
 SGLang's child/sibling retrieve tables. On GPU/TPU it runs the Pallas kernel in
 `jaxspec.pallas.tree_build`, on CPU the jnp reference (see jaxspec.pallas).
 
@@ -42,31 +42,7 @@ from jaxspec.speculative.types import (  # noqa: F401
     assemble_tree_info,
     full_tree_mask,
     node_valid,
-    num_mask_words,
 )
-
-# --------------------------------------------------------------------------
-# Shared helpers (used by the reference, the chain path and the kernel wrapper)
-# --------------------------------------------------------------------------
-
-
-def pack_tree_mask(mask: jax.Array) -> jax.Array:
-    """mask [B, N, N] bool -> [B, N, ceil(N/32)] uint32 (bit j%32 of word j//32)."""
-    b, n, _ = mask.shape
-    w = num_mask_words(n)
-    padded = jnp.pad(mask, ((0, 0), (0, 0), (0, w * 32 - n)))
-    bits = padded.reshape(b, n, w, 32).astype(jnp.uint32)
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    # Distinct bits never carry, so a sum is an OR.
-    return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
-
-
-def unpack_tree_mask(packed: jax.Array, n: int) -> jax.Array:
-    """packed [B, N, W] uint32 -> [B, N, n] bool; inverse of `pack_tree_mask`."""
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    bits = (packed[..., None] >> shifts) & jnp.uint32(1)
-    return bits.reshape(*packed.shape[:-1], -1)[..., :n].astype(bool)
-
 
 # --------------------------------------------------------------------------
 # Reference, chain fast path, dispatch
@@ -113,8 +89,7 @@ def build_tree_ref(
     sib = jnp.min(jnp.where(later_sib, idx, n), axis=-1)
     next_sibling = jnp.where(sib == n, -1, sib).astype(jnp.int32)
 
-    return assemble_tree_info(depth, mask, pack_tree_mask(mask), next_token, next_sibling,
-                              valid, prefix_lens, max_kv)
+    return assemble_tree_info(depth, mask, next_token, next_sibling, valid, prefix_lens, max_kv)
 
 
 def chain_parents(n: int, batch: int = 1) -> jax.Array:
@@ -144,8 +119,7 @@ def build_chain_tree(
     nxt_valid = jnp.concatenate([valid[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
     next_token = jnp.where(nxt_valid, idx + 1, -1).astype(jnp.int32)
     next_sibling = jnp.full((b, n), -1, jnp.int32)
-    return assemble_tree_info(depth, mask, pack_tree_mask(mask), next_token, next_sibling,
-                              valid, prefix_lens, max_kv)
+    return assemble_tree_info(depth, mask, next_token, next_sibling, valid, prefix_lens, max_kv)
 
 
 def build_tree(

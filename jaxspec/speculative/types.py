@@ -88,7 +88,7 @@ class Committed(NamedTuple):
 # The verification result, tree info and draft-id test are shared with the kernels, which
 # import nothing above them: they live in their leaf module and are re-exported here.
 from jaxspec.pallas.types import (  # noqa: E402,F401
-    TreeInfo, VerifyResult, assemble_tree_info, full_tree_mask, in_vocab, node_valid, num_mask_words,
+    TreeInfo, VerifyResult, assemble_tree_info, full_tree_mask, in_vocab, node_valid,
 )
 
 

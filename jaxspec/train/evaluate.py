@@ -6,7 +6,6 @@ import json
 import math
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,18 +76,6 @@ def plain_generate(target, prompts, max_new_tokens: int = 32):
     engine = Engine(target.params, target.config, ecfg, progress=False)
     sp = SamplingParams(max_tokens=max_new_tokens)
     return engine.generate([Request(list(map(int, p)), sp) for p in prompts])
-
-
-def engine_tau(params, hcfg, target, prompts, **kw) -> float:
-    """Mean τ of greedy speculative decoding of `prompts` with this head through the real engine
-    (builds and compiles an Engine; keep a HeadEngine to evaluate repeatedly)."""
-    return HeadEngine(hcfg, target, prompts, **kw).tau(params)
-
-
-def tau_eval(target, prompts, hcfg, draft_ids=None, **kw) -> Callable[[dict], dict]:
-    """An eval_fn logging engine τ on `prompts` (one Engine, compiled once, for every eval)."""
-    he = HeadEngine(hcfg, target, prompts, draft_ids=draft_ids, **kw)
-    return lambda params: {"tau": round(he.tau(params), 4)}
 
 
 def read_log(run_dir) -> list[dict]:

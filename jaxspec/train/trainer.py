@@ -562,9 +562,7 @@ def train(cfg: TrainConfig, target, source, run_dir, *, resume: bool = False, st
 
 
 # τ through the real engine and the plots live in evaluate.py; re-exported here.
-from jaxspec.train.evaluate import (  # noqa: E402
-    HeadEngine, engine_tau, plain_generate, plot, read_log, tau_eval,
-)
+from jaxspec.train.evaluate import HeadEngine, plain_generate, plot, read_log  # noqa: E402
 
 __all__ = ["TrainConfig", "train", "train_config", "ArraySource", "open_source", "heldout_eval", "HeadEngine",
-           "engine_tau", "tau_eval", "plain_generate", "plot", "read_log"]
+           "plain_generate", "plot", "read_log"]
