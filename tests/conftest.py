@@ -94,9 +94,8 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def served(chat_model_dir):
     from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import ServerThread
     from jaxspec.serve.server import build_server
-    from tests.serve_util import serve_config
+    from tests.serve_util import ServerThread, serve_config
 
     server = build_server(serve_config(chat_model_dir), progress=False)
     thread = ServerThread(create_app(server)).start()

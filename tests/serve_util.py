@@ -1,4 +1,4 @@
-"""Shared by the server tests: the small serving config and HTTP helpers."""
+"""Shared by the server tests: the small serving config, an in-process server thread and HTTP helpers."""
 
 from __future__ import annotations
 
@@ -27,6 +27,35 @@ def serve_config(model_dir, **extra):
     from jaxspec.serve.launch import SERVE_DEFAULTS
 
     return apply_overrides(load_config(None), {**SERVE_DEFAULTS, "model.path": str(model_dir), **SERVE_CFG, **extra})
+
+
+class ServerThread:
+    """uvicorn serving `app` on a background thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        from jaxspec.serve.http import http_protocol
+
+        if port == 0:
+            port = free_port(host)
+        self.url = f"http://{host}:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                     timeout_graceful_shutdown=5, http=http_protocol()))
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
 
 
 def client(url, **kw):

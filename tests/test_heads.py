@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from jaxspec.models.config import ConfigError, LoadError, ModelConfig
 from jaxspec.models.heads.attn_head import attn_head_step, draft_to_target, prepare_head_params, project_features
 from jaxspec.models.heads.config import parse_head_config
 from jaxspec.models.heads.family import detect_format
-from jaxspec.models.heads.loading import is_mtp_target, load_draft_head, load_mtp_head
+from jaxspec.models.heads.loading import _mtp_names, load_draft_head, load_mtp_head
 from jaxspec.models.heads.medusa import medusa_logits, medusa_tree_from_choices
 from jaxspec.models.heads.mlp_speculator import mlp_speculator_init_state, mlp_speculator_step
 from tests.conftest import make_tiny_hf
@@ -308,6 +309,13 @@ def mtp_reference(model, sd, prefix, kind, tokens, h, positions):
     return out, logits
 
 
+def is_mtp_target(target_dir) -> bool:
+    try:
+        return _mtp_names(Path(target_dir))[0] is not None
+    except (LoadError, OSError, KeyError, ValueError):
+        return False
+
+
 @pytest.mark.parametrize("kind,arch", [("deepseek", "llama"), ("mimo", "qwen2")])
 def test_mtp_matches_torch(tmp_path, kind, arch):
     model = make_tiny_hf(arch)
@@ -584,6 +592,6 @@ def test_a_family_registered_from_outside_loads_and_exports_with_no_other_edit(t
         with pytest.raises(ValueError, match="already"):
             F.register_family(F.HeadFamily("toy2", ("toy",), lambda cfg: None, parse))
     finally:
-        F.unregister_family("toy")
+        F._FAMILIES[:] = [f for f in F._FAMILIES if f.name != "toy" or f.name in F.MODULES]
     with pytest.raises(ConfigError, match="unknown draft-head format"):
         load_draft_head(tmp_path / "toy", tcfg)

@@ -166,6 +166,12 @@ def tiny_bpe_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (convert_hf_to_gguf.py LlamaModel.permute), which the loader undoes."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def write_tiny_gguf(model, path: Path, arch: str = "llama", dtype=np.float32, quant=None) -> None:
     """What llama.cpp's convert_hf_to_gguf.py writes, unquantized, or with `quant(gguf name)` ->
     a GGMLQuantizationType (or None: float) per matrix, quantized by gguf-py (llama.cpp's own numpy
@@ -207,9 +213,9 @@ def write_tiny_gguf(model, path: Path, arch: str = "llama", dtype=np.float32, qu
         gname = names[key].format(n=n)
         data = t.float().numpy()
         if arch == "llama" and gname.endswith("attn_q.weight"):
-            data = gguf_convert.permute_rows(data, cfg.num_attention_heads)
+            data = permute_rows(data, cfg.num_attention_heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
-            data = gguf_convert.permute_rows(data, cfg.num_key_value_heads)
+            data = permute_rows(data, cfg.num_key_value_heads)
         qtype = quant(gname) if quant is not None and data.ndim > 1 else None
         if qtype is not None:
             w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
@@ -232,7 +238,7 @@ def tiny_gguf(tmp_path_factory):
 
 def test_permute_rows_inverts():
     w = np.arange(8 * 3 * 5, dtype=np.float32).reshape(24, 5)
-    permuted = gguf_convert.permute_rows(w, 3)
+    permuted = permute_rows(w, 3)
     assert not np.array_equal(permuted, w)
     np.testing.assert_array_equal(gguf_convert.unpermute_rows(permuted, 3), w)
 
@@ -449,6 +455,18 @@ def smollm(tmp_path_factory):
     return model, cache, time.perf_counter() - start
 
 
+def num_params(cfg) -> int:
+    """Parameter count of a Llama-family config, from its shapes alone."""
+    d, i, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    per_layer = d * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * d + 3 * d * i + 2 * d
+    if cfg.qkv_bias:
+        per_layer += cfg.q_size + 2 * cfg.kv_size
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim
+    head = 0 if cfg.tie_word_embeddings else v * d
+    return v * d + L * per_layer + d + head
+
+
 @pytest.mark.slow
 def test_smollm_config(smollm):
     cfg = smollm[0].config
@@ -456,7 +474,7 @@ def test_smollm_config(smollm):
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
     assert (cfg.tie_word_embeddings, cfg.rope_theta, cfg.rms_norm_eps) == (True, 100000.0, 1e-5)
     assert (cfg.max_position_embeddings, cfg.bos_token_id, cfg.eos_token_ids) == (8192, 1, (2,))
-    assert cfg.num_params() == 134_515_008
+    assert num_params(cfg) == 134_515_008
     assert "lm_head" not in smollm[0].params
 
 

@@ -243,10 +243,9 @@ def test_server_logprobs_under_an_eagle3_tree_at_batch_4(chat_model_dir, tmp_pat
     import transformers as tf
 
     from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import ServerThread
     from jaxspec.serve.server import build_server
     from tests.heads_fixtures import write_eagle3_head
-    from tests.serve_util import serve_config
+    from tests.serve_util import ServerThread, serve_config
 
     hf = tf.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
     head = write_eagle3_head(tmp_path / "e3", hf, layer_ids=[0, 1, 1], convention="input")

@@ -67,7 +67,7 @@ def test_share_release_evict_in_lru_order_tail_first():
     a.free("x")
     a.free("y")
     a.check()
-    assert a.num_free == 7 and a.num_cached == 3 and a.num_evictable == 3
+    assert a.num_free == 7 and a.num_cached == 3 and len(a._lru) == 3
     # Eviction takes free pages first, then cached ones, the chain's tail first.
     a.allocate("z", 4 * PAGE)  # 4 pages: the free list holds exactly 4
     assert a.num_cached == 3 and a.evicted_pages == 0

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_util import client, metric, serve_config, wait_for_idle
+from tests.serve_util import ServerThread, client, metric, serve_config, wait_for_idle
 
 OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OK_COMPLETION = {"prompt": "hi", "max_tokens": 4}
@@ -146,7 +146,6 @@ def test_errors_name_the_field(served):
 def keyed(served):
     """A second front end on the same engine, with --api-key set."""
     from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import ServerThread
 
     server, _ = served
     cfg = dataclasses.replace(server.cfg, serve=dataclasses.replace(server.cfg.serve, api_key="s3cret"))
@@ -181,7 +180,6 @@ def test_only_loopback_is_bound_by_default():
 
 def test_health_and_requests_wait_for_compilation(chat_model_dir):
     from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import ServerThread
     from jaxspec.serve.server import build_server
 
     server = build_server(serve_config(chat_model_dir), progress=False)
@@ -246,7 +244,6 @@ def raw_http(url: str, data: bytes, timeout: float = 20.0) -> bytes:
 def impatient(served):
     """A second front end on the same engine that waits 0.5 s for a request body."""
     from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import ServerThread
 
     server, _ = served
     thread = ServerThread(create_app(server, body_timeout_s=0.5)).start()

@@ -298,8 +298,7 @@ def test_state_probe_detects_rows_sharing_one_slot(world):
 
 def test_http_eagle3_answer_and_acceptance_metrics(chat_model_dir, tmp_path):
     from jaxspec.serve.app import create_app
-    from jaxspec.serve.launch import ServerThread
-    from tests.serve_util import client, metric, serve_config
+    from tests.serve_util import ServerThread, client, metric, serve_config
 
     model = load_model(chat_model_dir, progress=False)
     head = write_eagle3_head(tmp_path / "eagle3", model.config, layer_ids=[0, 1, 2], convention="input")

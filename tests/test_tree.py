@@ -106,6 +106,11 @@ def dfs_order(info, b):
     return order
 
 
+def chain_parents(n: int, batch: int = 1) -> jax.Array:
+    """[batch, n] int32 parents of a chain: -1, 0, 1, ..., n-2."""
+    return jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (batch, n))
+
+
 def assert_infos_equal(a, b):
     for f in FIELDS:
         x, y = np.asarray(getattr(a, f)), np.asarray(getattr(b, f))
@@ -157,7 +162,7 @@ def test_kernel_extremes():
     # Deep chain (longest closure), star (widest sibling list), all padding.
     n = 37
     tok = np.arange(1, 2 * n + 1, dtype=np.int32).reshape(2, n)
-    chain = np.asarray(T.chain_parents(n, 1))[0]
+    chain = np.asarray(chain_parents(n, 1))[0]
     star = np.r_[-1, np.zeros(n - 1, np.int32)].astype(np.int32)
     prefix = np.array([0, 60], np.int32)
     cases = [(tok, np.stack([chain, star])),
@@ -209,7 +214,7 @@ def test_build_tree_dispatch(monkeypatch):
         assert_infos_equal(got, want)
     chain = jax.jit(T.build_tree, static_argnames=("chain", "max_kv"))(
         tok[:, :3], None, prefix, chain=True)
-    assert_infos_equal(chain, ref_jit(tok[:, :3], T.chain_parents(3, B), prefix))
+    assert_infos_equal(chain, ref_jit(tok[:, :3], chain_parents(3, B), prefix))
     np.testing.assert_array_equal(jax.jit(want.full_layout_mask, static_argnums=0)(16),
                                   ref_jit(tok, par, prefix, max_kv=16).full_mask)
     with pytest.raises(ValueError, match="parents"):

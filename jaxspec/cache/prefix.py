@@ -89,10 +89,6 @@ class PrefixCachingAllocator(PageAllocator):
         """Pages in the cache (held or evictable)."""
         return len(self._key_of)
 
-    @property
-    def num_evictable(self) -> int:
-        return len(self._lru)
-
     def usage(self) -> dict[str, int]:
         return {"total": self.total, "used": self.num_used, "free": self.num_free, "cached": self.num_cached}
 

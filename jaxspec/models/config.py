@@ -71,16 +71,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        d, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * i + 2 * d
-        if self.qkv_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
-        head = 0 if self.tie_word_embeddings else v * d
-        return v * d + L * per_layer + d + head
-
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []

@@ -94,12 +94,6 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's permutation (convert_hf_to_gguf.py LlamaModel.permute); for tests."""
-    head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _short_float(x: float) -> float:
     # GGUF stores float32: 1e-5 arrives as 9.999999747e-06. Print the shortest
     # float32 repr so config.json says 1e-05 like the original.

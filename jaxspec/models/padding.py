@@ -103,9 +103,3 @@ def pad_params(params: dict, cfg: ModelConfig, padded: ModelConfig) -> dict:
     # A W8A16 checkpoint's own int8 matrices (models.compressed) are not padded: quantize = "int8"
     # then re-quantizes the padded float ones. GGUF blocks (quantize = "gguf") run unsharded only.
     return {**{k: v for k, v in params.items() if k not in ("int8", "gguf")}, "layers": layers}
-
-
-def pad_for_tp(params: dict, cfg: ModelConfig, tp: int) -> tuple[dict, ModelConfig, HeadPadding]:
-    """`padded_config` then `pad_params`: what an engine on a TP-`tp` mesh runs."""
-    padded, info = padded_config(cfg, tp)
-    return pad_params(params, cfg, padded), padded, info

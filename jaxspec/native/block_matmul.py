@@ -110,13 +110,6 @@ def dequantize(bw: BlockWeight) -> jax.Array:  # [..., K, N] float32
     return jnp.swapaxes(w, -3, -2).reshape(*lead, k, t * TILE)[..., : bw.n_out]
 
 
-def block_matmul_ref(
-    x: jax.Array,  # [..., K] float32
-    bw: BlockWeight,
-) -> jax.Array:  # [..., N] float32
-    return jnp.einsum("...i,io->...o", x, dequantize(bw))
-
-
 def block_matmul(
     x: jax.Array,  # [..., K] float32
     bw: BlockWeight,

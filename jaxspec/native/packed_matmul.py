@@ -84,14 +84,6 @@ def unpack_weight(pw: PackedWeight) -> jax.Array:  # [..., K, N] float32 (int8 d
     return w[..., : pw.n_out]
 
 
-def packed_matmul_ref(
-    x: jax.Array,  # [..., K] float32
-    pw: PackedWeight,
-) -> jax.Array:  # [..., N] float32
-    """The jnp reference: XLA's own dot on the unpacked weight."""
-    return jnp.einsum("...i,io->...o", x, unpack_weight(pw))
-
-
 def ffi_matmul(
     target: str,  # the registered FFI kernel
     x: jax.Array,  # [..., K] float32

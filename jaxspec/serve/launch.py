@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 import threading
-import time
 from typing import Any
 
 from jaxspec.serve.http import http_protocol
@@ -75,35 +73,6 @@ def config_from_args(args) -> Any:
 
     return generate_config(args, base=apply_overrides(load_config(None), SERVE_DEFAULTS),
                            extra_keys=SERVE_FLAG_KEYS)
-
-
-class ServerThread:
-    """uvicorn serving `app` on a background thread (tests, benchmarks, notebooks)."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                     timeout_graceful_shutdown=5, http=http_protocol()))
-        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
-
-    def start(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"uvicorn did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,11 +92,6 @@ def build_tree_ref(
     return assemble_tree_info(depth, mask, next_token, next_sibling, valid, prefix_lens, max_kv)
 
 
-def chain_parents(n: int, batch: int = 1) -> jax.Array:
-    """[batch, n] int32 parents of a chain: -1, 0, 1, ..., n-2."""
-    return jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (batch, n))
-
-
 def build_chain_tree(
     tokens: jax.Array,  # [B, N] int32; padding (< 0), if any, must be a suffix
     prefix_lens: jax.Array,  # [B] int32

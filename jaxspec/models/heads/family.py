@@ -82,11 +82,6 @@ def register_family(family: HeadFamily) -> HeadFamily:
     return family
 
 
-def unregister_family(name: str) -> None:
-    """Remove a family registered from outside the package (tests)."""
-    _FAMILIES[:] = [f for f in _FAMILIES if f.name != name or f.name in MODULES]
-
-
 def families() -> tuple[HeadFamily, ...]:
     """Every family, in detection order."""
     order = {m: i for i, m in enumerate(MODULES)}

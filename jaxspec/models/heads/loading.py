@@ -174,13 +174,6 @@ def _num_layers(target_dir: Path) -> int:
     return int(json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
-def is_mtp_target(target_dir) -> bool:
-    try:
-        return _mtp_names(Path(target_dir))[0] is not None
-    except (LoadError, OSError, KeyError, ValueError):
-        return False
-
-
 def load_mtp_head(target_dir, target_cfg: ModelConfig, *, layer: int = 0, dtype=jnp.float32) -> LoadedHead:
     """MTP layer `layer` of a target checkpoint (DeepSeek-style or MiMo), Llama/Qwen2 blocks, no MoE."""
     target_dir = Path(target_dir)
