@@ -215,7 +215,7 @@ def test_padded_params_change_no_logit():
 
     from jaxspec.cache.paged import KVCache
     from jaxspec.models.llama import forward, prepare_params
-    from jaxspec.models.padding import pad_for_tp
+    from jaxspec.models.padding import pad_params, padded_config
 
     cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=90, num_layers=2,
                       num_heads=6, num_kv_heads=3, head_dim=8, qkv_bias=True, qk_norm=True)
@@ -236,7 +236,8 @@ def test_padded_params_change_no_logit():
                       kv_len=jnp.asarray([5, 3], jnp.int32))
         return np.asarray(out.logits)
 
-    padded_params, padded, info = pad_for_tp(params, cfg, 4)
+    padded, info = padded_config(cfg, 4)
+    padded_params = pad_params(params, cfg, padded)
     assert (padded.num_heads, padded.num_kv_heads, padded.intermediate_size) == (8, 4, 92) and not info.none
     assert padded_params["layers"]["wo"].shape == (L, d, 64) and padded_params["layers"]["bk"].shape == (L, 32)
     np.testing.assert_allclose(logits(padded_params, padded), logits(params, cfg), rtol=0, atol=1e-5)
