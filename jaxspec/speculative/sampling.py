@@ -400,6 +400,11 @@ def top_k_top_p_mask_ref(
     return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 
 
+def filters(top_k: Int[Array, "B"], top_p: Float[Array, "B"], vocab: int) -> Bool[Array, "B"]:
+    """Whether each row's top-k or top-p removes any token."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+
+
 def filtered_logits(
     scaled: Float[Array, "B N V"],
     top_k: Int[Array, "B"],
@@ -407,9 +412,8 @@ def filtered_logits(
 ) -> Float[Array, "B N V"]:
     """`top_k_top_p_mask`, skipped for batches where no request filters (the common
     temperature-only case)."""
-    vocab = scaled.shape[-1]
-    needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    return jax.lax.cond(needs_filter, lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
+    return jax.lax.cond(jnp.any(filters(top_k, top_p, scaled.shape[-1])),
+                        lambda x: top_k_top_p_mask(x, top_k, top_p), lambda x: x, scaled)
 
 
 @jax.jit
@@ -567,7 +571,7 @@ def race_past_first_tier(
     the kk-th value by `_MAX_RACE_GAIN`, and its `top_k` costs more than the race (8 rows of
     49,152: 1.4 ms against 0.9 ms, measured)."""
     vocab = logits.shape[-1]
-    plain = (temperature <= 0.0) | (((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1.0))
+    plain = (temperature <= 0.0) | ~filters(top_k, top_p, vocab)
     return jax.lax.cond(jnp.all(plain), lambda: race_filtered(logits, temperature, top_k, top_p, keys, tiers=()),
                         lambda: race_filtered(logits, temperature, top_k, top_p, keys, tiers=SELECT_TIERS[1:]))
 
