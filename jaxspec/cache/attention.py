@@ -27,6 +27,9 @@ from jaxspec import pallas as kernels
 
 # Large but finite: a fully masked row (padding) must not produce NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# A causal block longer than this (a prefill chunk) runs `paged_attention_blocked` on CPU: its
+# while_loop pays per key block, a price a decode step's few queries do not recoup.
+BLOCKED_MIN_QUERIES = 32
 
 
 def gather_pages(
@@ -87,6 +90,64 @@ def paged_attention_ref(
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
+def paged_attention_blocked(
+    q: jax.Array,  # [B, T, H, hd]
+    k_pages: jax.Array,  # [P, page_size, kvh, hd]
+    v_pages: jax.Array,  # [P, page_size, kvh, hd]
+    page_table: jax.Array,  # [B, max_pages] int32
+    q_start: jax.Array,  # [B] int32
+    kv_len: jax.Array,  # [B] int32
+    *,
+    scale: float,
+    block_pages: int = 16,
+) -> jax.Array:  # [B, T, H, hd]
+    """`paged_attention_ref` with a causal block, reading only the key blocks some row needs.
+
+    A prefill call's page table is as wide as its context bucket (2048 slots for a turn late in a
+    conversation), and the reference scores every slot of it: a 64-token cache-hit chunk at slot
+    900 paid for 2048 keys. Here a `while_loop` runs over blocks of `block_pages` pages, as many as
+    the longest row's kv_len needs, with the online softmax (running max, running sum) of flash
+    attention. Rows of one call share the trip count; slots past a row's kv_len are masked as in
+    the reference. Equal to it up to float summation order (tests/test_paged_attention.py)."""
+    b, t, h, hd = q.shape
+    _, page_size, kvh, _ = k_pages.shape
+    group = h // kvh
+    max_pages = page_table.shape[1]
+    block_pages = min(block_pages, max_pages)
+    # 1. Pad the table to whole blocks; the pad points at page 0 and is masked by kv_len.
+    num_blocks = -(-max_pages // block_pages)
+    table = jnp.pad(page_table, ((0, 0), (0, num_blocks * block_pages - max_pages)))
+    width = block_pages * page_size
+    qg = q.reshape(b, t, kvh, group, hd).astype(jnp.float32)
+    trips = jnp.clip(-(-jnp.max(kv_len) // width), 1, num_blocks)
+
+    def body(carry):
+        # 2. One block: scores, the causal / length mask, then the online-softmax update.
+        j, m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)  # [B, bp]
+        k = k_pages[pages].reshape(b, width, kvh, hd)
+        v = v_pages[pages].reshape(b, width, kvh, hd)
+        logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        slots = j * width + jnp.arange(width, dtype=jnp.int32)[None, None, :]  # [1, 1, W]
+        tpos = q_start[:, None, None] + jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, 1]
+        visible = (slots <= tpos) & (slots < kv_len[:, None, None])  # [B, T, W]
+        logits = jnp.where(visible[:, None, None], logits, _MASK_VALUE)
+        m_new = jnp.maximum(m, logits.max(-1))
+        p = jnp.exp(logits - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, v.astype(jnp.float32),
+                                                  preferred_element_type=jnp.float32)
+        return j + 1, m_new, l, acc
+
+    init = (jnp.int32(0), jnp.full((b, kvh, group, t), _MASK_VALUE, jnp.float32),
+            jnp.zeros((b, kvh, group, t), jnp.float32), jnp.zeros((b, kvh, group, t, hd), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < trips, body, init)
+    # 3. Normalise; [B, kvh, g, T, hd] -> [B, T, H, hd].
+    out = acc / l[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd).astype(q.dtype)
+
+
 def attention_with_block_ref(
     q: jax.Array,  # [B, T, H, hd]
     k_pages: jax.Array,  # [P, page_size, kvh, hd] one layer, read only
@@ -137,7 +198,8 @@ def paged_attention(
     *,
     scale: float,
 ) -> jax.Array:  # [B, T, H, hd]
-    """Dispatch: the Mosaic kernel on TPU, the Triton kernel on GPU, the jnp reference on CPU.
+    """Dispatch: the Mosaic kernel on TPU, the Triton kernel on GPU; on CPU `paged_attention_blocked`
+    for a causal block of more than BLOCKED_MIN_QUERIES queries, else the jnp reference.
 
     Interpret mode (`JAXSPEC_KERNELS=interpret`) runs the Triton kernel, as before;
     the Mosaic kernel's interpret-mode tests call it directly. Under a ("data",
@@ -152,6 +214,8 @@ def paged_attention(
         from jaxspec.pallas.paged_attention import paged_attention_pallas
 
         kernel = functools.partial(paged_attention_pallas, scale=scale, interpret=kernels.interpret_mode())
+    elif tree_mask is None and q.shape[1] > BLOCKED_MIN_QUERIES:
+        return paged_attention_blocked(q, k_pages, v_pages, page_table, q_start, kv_len, scale=scale)
     else:
         return paged_attention_ref(q, k_pages, v_pages, page_table, q_start, kv_len, tree_mask, scale=scale)
     from jaxspec.pallas.shard import shard_kernel_attention
