@@ -348,9 +348,10 @@ class ModelRunner:
 
     def prefill_context(self, end: int, chunk: int) -> int:
         """The page-table width of a prefill call whose furthest chunk ends at `end`, in a `chunk` bucket.
-        Attention over the table is the call's other cost beside the chunk's matmuls: a short chunk late
-        in a long context pays for what it reads, not for max_context (8 x 64 tokens: 1.7 s over 2048, 1.0 s
-        over 512 on 2 cores). At least the chunk's own bucket, so `all_keys` holds every key."""
+        Where the attention scores the whole table (the jnp reference, the GPU and TPU kernels' grids), a
+        short chunk late in a long context pays for what it reads, not for max_context (on CPU the blocked
+        prefill attention stops at the rows' longest kv_len anyway). At least the chunk's own bucket, so
+        `all_keys` holds every key."""
         return self.context_bucket(max(end, chunk))
 
     def all_keys(self, suffix: str = "") -> list[tuple]:
