@@ -251,6 +251,8 @@ def test_dispatcher_runs_blocked_attention_for_long_causal_blocks_on_cpu(monkeyp
         paged_attention(**case, scale=0.5)
     short = make_case(rng, q_start=[3], n_new=[4], t=4, kvh=1, group=2, hd=16, page_size=4, max_pages=4)
     paged_attention(**short, scale=0.5)  # the reference: no exception
+    tree = make_case(rng, q_start=[3], n_new=[t], t=t, kvh=1, group=2, hd=16, page_size=4, max_pages=24, tree=True)
+    paged_attention(**tree, scale=0.5)  # a long tree block: the reference, no exception
 
 
 class _KernelCalled(Exception):

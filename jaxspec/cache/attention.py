@@ -125,12 +125,10 @@ def paged_attention_blocked(
         # 2. One block: scores, the causal / length mask, then the online-softmax update.
         j, m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)  # [B, bp]
-        k = k_pages[pages].reshape(b, width, kvh, hd)
-        v = v_pages[pages].reshape(b, width, kvh, hd)
+        k, v = gather_pages(k_pages, pages), gather_pages(v_pages, pages)  # [B, W, kvh, hd]
         logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-        slots = j * width + jnp.arange(width, dtype=jnp.int32)[None, None, :]  # [1, 1, W]
-        tpos = q_start[:, None, None] + jnp.arange(t, dtype=jnp.int32)[None, :, None]  # [B, T, 1]
-        visible = (slots <= tpos) & (slots < kv_len[:, None, None])  # [B, T, W]
+        # The reference's mask, with slots counted from this block's first.
+        visible = visibility_mask(q_start - j * width, kv_len - j * width, t, width)  # [B, T, W]
         logits = jnp.where(visible[:, None, None], logits, _MASK_VALUE)
         m_new = jnp.maximum(m, logits.max(-1))
         p = jnp.exp(logits - m_new[..., None])

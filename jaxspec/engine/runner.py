@@ -348,10 +348,10 @@ class ModelRunner:
 
     def prefill_context(self, end: int, chunk: int) -> int:
         """The page-table width of a prefill call whose furthest chunk ends at `end`, in a `chunk` bucket.
-        Where the attention scores the whole table (the jnp reference, the GPU and TPU kernels' grids), a
-        short chunk late in a long context pays for what it reads, not for max_context (on CPU the blocked
-        prefill attention stops at the rows' longest kv_len anyway). At least the chunk's own bucket, so
-        `all_keys` holds every key."""
+        Where the jnp reference runs, it scores the whole table, so a short chunk late in a long context
+        pays for what it reads, not for max_context; the GPU and TPU kernels and CPU's blocked prefill
+        attention stop at kv_len, but still take the table as an input. At least the chunk's own bucket,
+        so `all_keys` holds every key."""
         return self.context_bucket(max(end, chunk))
 
     def all_keys(self, suffix: str = "") -> list[tuple]:
