@@ -115,6 +115,25 @@ def test_native_paged_attention_equals_reference(seed, shape, page_size, tree):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("shape,page_size", [((1, 256, 9, 3, 64), 16), ((2, 96, 6, 3, 16), 4), ((3, 64, 4, 1, 8), 1)],
+                         ids=["smollm2-chunk", "two-rows", "one-kv-head"])
+def test_native_attention_on_prefill_chunks_equals_reference(shape, page_size):
+    """Prefill chunks (64 to MAX_QUERIES queries) run the kernel with the query block split over
+    threads; a row whose chunk is shorter than the block (its kv_len short of q_start + T) keeps the
+    reference's semantics for every query."""
+    from jaxspec.native.paged_attention import MAX_QUERIES
+
+    rng = np.random.default_rng(sum(shape) + page_size)
+    b, t, h, kvh, hd = shape
+    assert t <= MAX_QUERIES
+    q, ck, cv, pt, qs, kl, _ = _attention_case(rng, b, t, h, kvh, hd, page_size, False)
+    kl = kl.at[-1].add(-(t // 3))  # a partial last chunk
+    for layer in range(ck.shape[0]):
+        got = attention_native(q, ck, cv, layer, pt, qs, kl, None, scale=hd**-0.5)
+        want = attention_ref(q, ck[layer], cv[layer], pt, qs, kl, None, scale=hd**-0.5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
 def test_native_attention_empty_row_is_zero_not_nan():
     rng = np.random.default_rng(3)
     q, ck, cv, pt, qs, kl, _ = _attention_case(rng, 2, 3, 4, 2, 16, 4, False)

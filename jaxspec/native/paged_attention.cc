@@ -1,5 +1,6 @@
-// Attention over the paged KV cache for short query blocks (decode, tree
-// verify) on XLA:CPU, with the semantics of cache/attention.py:
+// Attention over the paged KV cache for query blocks of up to MAX_QUERIES (decode,
+// tree verify, prefill chunks; paged_attention.py) on XLA:CPU, with the semantics of
+// cache/attention.py:
 //
 //   key slot s is visible to query t of sequence b iff
 //     s < kv_len[b] and (s < q_start[b] or block_mask[b, t, s - q_start[b]])
@@ -199,12 +200,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* kl = kv_len.typed_data();
   const bool* mk = mask.typed_data();
   float* op = out->typed_data();
-  // Split the query block only when there are fewer (sequence, KV head) pairs
-  // than threads: each split gathers its own K/V copy, which costs more than the
-  // imbalance of, say, 3 pairs on 2 threads (measured on a batch-1 verify).
+  // Short blocks (decode, verify) split the query block only when there are fewer
+  // (sequence, KV head) pairs than threads: each split gathers its own K/V copy, which
+  // costs more than the imbalance of, say, 3 pairs on 2 threads (measured on a batch-1
+  // verify). A prefill chunk's rows outweigh that gather, so it splits into about four
+  // pieces per thread, each of at least kMinSplitRows queries.
+  constexpr int64_t kLongBlock = 64, kMinSplitRows = 32;
   const int64_t pairs = d.B * d.kvh;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t splits = std::clamp<int64_t>((threads + pairs - 1) / pairs, 1, d.T);
+  const int64_t splits = d.T >= kLongBlock
+                             ? std::clamp<int64_t>((4 * threads + pairs - 1) / pairs, 1, d.T / kMinSplitRows)
+                             : std::clamp<int64_t>((threads + pairs - 1) / pairs, 1, d.T);
   const int64_t per = (d.T + splits - 1) / splits;
   jaxspec::parallel_for(pool, pairs * splits, 2, [&](int64_t i) {
     const int64_t pair = i / splits, t0 = (i % splits) * per, t1 = std::min(d.T, t0 + per);
