@@ -92,6 +92,20 @@ def test_adaptive_bench_flags_are_checked_before_the_model_loads(argv, match):
         ("greedy", {}), ("T 0.8, top-p 0.9", dict(temperature=0.8, top_p=0.9)), ("T 1", dict(temperature=1.0, top_p=1.0))]
 
 
+@pytest.mark.parametrize("argv, match", [(["--shapes", "2x64"], "--shapes: expected ROWSxCHUNK@START"),
+                                         (["--shapes", "0x64@10"], "--shapes: rows and chunk must be >= 1"),
+                                         (["--shapes", " , "], "--shapes: no shapes"),
+                                         (["--paths", "flash"], "--paths: unknown flash"),
+                                         (["--reps", "0"], "--reps must be >= 1"),
+                                         (["--set", "serve.prefill_chunk"], "expected SECTION.KEY=VALUE")])
+def test_prefill_bench_flags_are_checked_before_the_model_loads(argv, match):
+    from jaxspec.bench.prefill import main, parse_shapes
+
+    with pytest.raises(SystemExit, match=match):
+        main(argv)
+    assert parse_shapes("1x32@0, 2x256@1200") == [(1, 32, 0), (2, 256, 1200)]
+
+
 def test_heldout_prompts_come_from_the_split_training_never_sees():
     from jaxspec.train.sharegpt import sharegpt_conversations, sharegpt_heldout_prompts
 

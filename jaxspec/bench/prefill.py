@@ -1,0 +1,155 @@
+"""`python -m jaxspec.bench prefill`: the server's prefill calls, timed by shape and attention path.
+
+A prefill call's cost is what a cache-hit turn waits for (`bench serve --workload multiturn`). This
+times `ModelRunner.prefill_scored` on the server's configuration as `bench serve --workload multiturn`
+starts it (speculation off, 8 rows, a 2048-token context; `--set` overrides) for calls of rows x chunk tokens whose chunks start after `start` cached tokens, and compares, in one
+run and per shape, the attention paths a chunk can take on CPU:
+
+- `native`: the FFI kernel for blocks of up to `native.paged_attention.MAX_QUERIES` queries;
+- `blocked`: the jnp `cache.attention.paged_attention_blocked` for chunks of more than 32 queries
+  (what ran before 2026-12-06), by lowering the kernel's bound to 32 for that runner.
+
+Each path gets its own runner (so its own compiled programs); the paths take turns per repetition,
+and the table reports medians with the ratio to the first path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+PATHS = ("native", "blocked")
+DEFAULT_SHAPES = "1x32@400,1x64@400,4x64@400,8x32@400,1x128@400,1x256@400,2x256@1200"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'ROWSxCHUNK@START,...' -> [(rows, chunk, start)]."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            dims, start = item.split("@")
+            rows, chunk = dims.split("x")
+            shape = (int(rows), int(chunk), int(start))
+        except ValueError:
+            raise SystemExit(f"--shapes: expected ROWSxCHUNK@START items such as 2x64@400, got {item!r}") from None
+        if shape[0] < 1 or shape[1] < 1 or shape[2] < 0:
+            raise SystemExit(f"--shapes: rows and chunk must be >= 1 and start >= 0, got {item!r}")
+        out.append(shape)
+    if not out:
+        raise SystemExit("--shapes: no shapes given")
+    return out
+
+
+@contextlib.contextmanager
+def attention_path(path: str):
+    """The bound of the native kernel while a runner traces its programs (`blocked`: 32, the old one)."""
+    from jaxspec.models import llama
+
+    saved = llama.MAX_QUERIES
+    llama.MAX_QUERIES = saved if path == "native" else 32
+    try:
+        yield
+    finally:
+        llama.MAX_QUERIES = saved
+
+
+class Calls:
+    """One runner and its prefill chunks per shape (pages allocated once, reused every repetition)."""
+
+    def __init__(self, runner, shapes, seed: int = 0):
+        from jaxspec.engine.types import RowInput
+
+        self.runner, self.chunks = runner, {}
+        rng = np.random.default_rng(seed)
+        sid = 0
+        for rows, chunk, start in shapes:
+            calls = []
+            for i in range(rows):
+                sid += 1
+                tokens = [int(x) for x in rng.integers(100, 20000, start + chunk)]
+                runner.allocator.allocate(sid, start + chunk + 1)
+                table = np.asarray(runner.allocator.page_table_row(sid, runner.max_pages))
+                calls.append((RowInput(tokens, len(tokens), table, slot=i, cached=start), start, chunk))
+            self.chunks[(rows, chunk, start)] = calls
+
+    def time(self, shape) -> float:
+        t0 = time.perf_counter()
+        self.runner.prefill_scored(self.chunks[shape])
+        return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxspec.bench prefill")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of ROWSxCHUNK@START (cached tokens before)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of: {', '.join(PATHS)}")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per shape and path (after one warm-up)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as the server's --set (repeatable)")
+    args = p.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    bad = [x for x in paths if x not in PATHS]
+    if bad or not paths:
+        raise SystemExit(f"--paths: unknown {', '.join(bad) or '(none)'}; paths: {', '.join(PATHS)}")
+    if args.reps < 1:
+        raise SystemExit("--reps must be >= 1")
+
+    from jaxspec.config import ConfigValueError, load_config
+    from jaxspec.engine.assemble import assemble
+    from jaxspec.models.loading import load_model
+    from jaxspec.serve.launch import SERVE_DEFAULTS
+
+    overrides = {**SERVE_DEFAULTS, "spec.algorithm": "none", "engine.max_batch_size": 8, "engine.max_context": 2048}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        overrides[key.strip()] = value
+    try:
+        cfg = load_config(None, overrides)
+    except ConfigValueError as e:
+        raise SystemExit(f"--set: {e}") from None
+    model = load_model(cfg.model.path, progress=False)
+    runs = {}
+    for path in paths:
+        with attention_path(path):
+            runner = assemble(cfg, model, serving=True, progress=False)
+            if not runner.native_kernels and path == "native":
+                raise SystemExit("--paths native: this runner does not use the native CPU kernels "
+                                 "(engine.cpu_kernels, dtype or device); time `blocked` alone")
+            too_long = [s for s in shapes if s[1] > runner.prefill_chunk or s[2] + s[1] > runner.max_context]
+            if too_long:
+                raise SystemExit(f"--shapes {too_long}: chunks must be <= serve.prefill_chunk "
+                                 f"({runner.prefill_chunk}) and end within engine.max_context ({runner.max_context})")
+            runs[path] = Calls(runner, shapes)
+            for shape in shapes:  # compile (traced under this path's bound) and warm up
+                runs[path].time(shape)
+    times = {(path, s): [] for path in paths for s in shapes}
+    for _ in range(args.reps):
+        for shape in shapes:
+            for path in paths:
+                times[(path, shape)].append(runs[path].time(shape))
+    base = paths[0]
+    print(f"jaxspec prefill calls: {cfg.model.path} model, serve configuration, speculation off; "
+          f"medians of {args.reps}, paths taking turns")
+    print("| rows x chunk | cached before | " + " | ".join(f"{p} ms" for p in paths) + " | "
+          + " | ".join(f"{p} / {base}" for p in paths[1:]) + " | ms per token (" + base + ") |")
+    print("|---" * (3 + 2 * len(paths) - 1) + "|")
+    for shape in shapes:
+        med = {path: statistics.median(times[(path, shape)]) * 1e3 for path in paths}
+        rows, chunk, start = shape
+        print(f"| {rows} x {chunk} | {start} | " + " | ".join(f"{med[p]:.0f}" for p in paths) + " | "
+              + " | ".join(f"{med[p] / med[base]:.2f}" for p in paths[1:])
+              + f" | {med[base] / (rows * chunk):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
