@@ -166,6 +166,10 @@ class ServeSection:
     prefill_chunk: int = 256  # prompt tokens per prefill call and row
     max_prefill_batch: int = 8
     prefill_tokens: int = 512  # padded tokens (rows x chunk bucket) per prefill call
+    # Prefill calls one scheduler step may run back to back (admitting arrivals between them)
+    # before the running batch's decode call: 1 alternates, more favours time to first token over
+    # the running requests' inter-token latency (SGLang's scheduler runs every ready prefill first).
+    prefill_calls_per_step: int = 1
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard
@@ -228,6 +232,7 @@ class Config:
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),
             (self.serve.max_prefill_batch >= 1, "serve.max_prefill_batch must be >= 1"),
             (self.serve.prefill_tokens >= 1, "serve.prefill_tokens must be >= 1"),
+            (self.serve.prefill_calls_per_step >= 1, "serve.prefill_calls_per_step must be >= 1"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,
              "serve.adaptive_steps must be non-empty draft lengths >= 0"),
             (0 <= self.serve.kv_memory_fraction < 1, "serve.kv_memory_fraction must be in [0, 1)"),

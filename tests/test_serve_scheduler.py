@@ -130,3 +130,46 @@ def test_abort_all_ends_every_request_and_any_that_arrives_after_it(tiny_dirs):
     assert events["queued"] == ["abort"] and events["late"] == ["abort"]
     assert late.tokens == late.prompt_ids and queued.tokens == queued.prompt_ids  # neither prefilled
     assert not sched.waiting and sched.num_active == 0 and server.runner.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("calls", [3, 1], ids=["prefill-first", "control-alternate"])
+def test_prefill_calls_per_step_prefill_arrivals_before_the_decode_call(tiny_dirs, reference, calls):
+    """serve.prefill_calls_per_step: a step runs up to that many prefill calls back to back, and a
+    request that arrives during one is admitted and prefilled before the step's decode call. The
+    control (1, the default) alternates: one prefill call, then the decode call. Output is exact."""
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"serve.prefill_calls_per_step": calls, "serve.adaptive": False}),
+                          progress=False)
+    sched, r, log = server.scheduler, server.runner, []
+    run_prefill, run_decode = r.run_prefill, r.run_decode
+    got, late = {}, []
+
+    def prefill(key, x):
+        log.append("p")
+        if len(log) == 1:  # the last prompt arrives while the first prefill call runs
+            late.append(Seq(list(PROMPTS[-1]), SamplingParams(max_tokens=NEW),
+                            lambda e: got.setdefault(4, []).extend(e.token_ids)))
+            sched.submit(late[0])
+        return run_prefill(key, x)
+
+    r.run_prefill = prefill
+    first_decode = []  # the arrival's state at the first decode call
+
+    def decode(key, x):
+        if "d" not in log:
+            first_decode.append(late[0].status)
+        log.append("d")
+        return run_decode(key, x)
+
+    r.run_decode = decode
+    for i, p in enumerate(PROMPTS[2:4]):
+        sched.submit(Seq(list(p), SamplingParams(max_tokens=NEW), lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
+    while not late or late[0].status != Status.FINISHED or sched.busy():
+        sched.step()
+        log.append("|")
+    assert [got[0], got[1], got[4]] == [reference[2], reference[3], reference[4]]
+    steps = "".join(log).split("|")
+    assert max(s.count("p") for s in steps) == calls
+    # Prefill-first: the arrival is running by the first decode call; alternating, it waits for it.
+    assert first_decode == [Status.RUNNING if calls > 1 else Status.WAITING]
+    assert r.allocator.num_used == 0

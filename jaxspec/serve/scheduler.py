@@ -6,6 +6,7 @@ One scheduler step:
 2. admit waiting sequences (FIFO) while a batch slot and KV pages are free;
 3. one chunked-prefill call for sequences still prefilling (`plan_prefill`:
    fewest tokens left first, the shape finishing most with least padding);
+   with `prefill_calls_per_step` > 1, up to that many, admitting between them;
 4. one decode call of up to `steps_per_call` speculative iterations for the
    running batch, after giving each row pages for the call (preempting the
    newest sequence when the pool is dry; it is recomputed later).
@@ -162,8 +163,9 @@ def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
-                 metrics=None):
+                 metrics=None, prefill_calls_per_step: int = 1):
         self.runner = runner
+        self.prefill_calls_per_step = prefill_calls_per_step
         self.allocator = runner.allocator
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -272,7 +274,12 @@ class Scheduler:
     def step(self) -> None:
         self._drain_inbox()
         self._admit()
-        if self.prefilling:
+        for call in range(self.prefill_calls_per_step):
+            if call:  # what arrived during the last call is prefilled before the decode call too
+                self._drain_inbox()
+                self._admit()
+            if not self.prefilling:
+                break
             self._prefill_step()
         if self.running:
             self._decode_step()
