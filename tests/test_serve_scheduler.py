@@ -163,7 +163,8 @@ def test_prefill_calls_per_step_prefill_arrivals_before_the_decode_call(tiny_dir
 
     r.run_decode = decode
     for i, p in enumerate(PROMPTS[2:4]):
-        sched.submit(Seq(list(p), SamplingParams(max_tokens=NEW), lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
+        sched.submit(Seq(list(p), SamplingParams(max_tokens=NEW),
+                         lambda e, i=i: got.setdefault(i, []).extend(e.token_ids)))
     while not late or late[0].status != Status.FINISHED or sched.busy():
         sched.step()
         log.append("|")

@@ -1,9 +1,10 @@
 """`python -m jaxspec.bench prefill`: the server's prefill calls, timed by shape and attention path.
 
-A prefill call's cost is what a cache-hit turn waits for (`bench serve --workload multiturn`). This
-times `ModelRunner.prefill_scored` on the server's configuration as `bench serve --workload multiturn`
-starts it (speculation off, 8 rows, a 2048-token context; `--set` overrides) for calls of rows x chunk tokens whose chunks start after `start` cached tokens, and compares, in one
-run and per shape, the attention paths a chunk can take on CPU:
+A prefill call's cost is what a cache-hit turn waits for. This times `ModelRunner.prefill_scored`
+on the server's configuration as `bench serve --workload multiturn` starts it (speculation off, 8
+rows, a 2048-token context; `--set` overrides) for calls of rows x chunk tokens whose chunks start
+after `start` cached tokens, and compares, in one run and per shape, the attention paths a chunk
+can take on CPU:
 
 - `native`: the FFI kernel for blocks of up to `native.paged_attention.MAX_QUERIES` queries;
 - `blocked`: the jnp `cache.attention.paged_attention_blocked` for chunks of more than 32 queries
