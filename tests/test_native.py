@@ -205,6 +205,26 @@ def test_missing_compiler_is_a_clear_error_or_a_warned_fallback(tmp_path):
     assert "warning: no C++ compiler found" in auto.stderr
 
 
+@pytest.mark.parametrize("t", [20, 64])
+def test_native_attention_with_a_block_wider_than_its_page_table(t):
+    """The scorer's forward (engine/scoring.py): no prefix, a one-page table (16 slots) and the
+    whole prompt as the in-flight block. The block's slots are not bounded by the table; until
+    2026-12-06 the kernel clamped them to it (latent at T <= 32, wrong from the 17th query on)."""
+    from jaxspec.cache.attention import attention_with_block_ref
+
+    rng = np.random.default_rng(t)
+    b, h, kvh, hd, page_size = 1, 4, 2, 16, 16
+    ck = jnp.asarray(rng.standard_normal((2, 1, page_size, kvh, hd), dtype=np.float32))
+    cv = jnp.asarray(rng.standard_normal((2, 1, page_size, kvh, hd), dtype=np.float32))
+    q = jnp.asarray(rng.standard_normal((b, t, h, hd), dtype=np.float32))
+    k_block = jnp.asarray(rng.standard_normal((b, t, kvh, hd), dtype=np.float32))
+    v_block = jnp.asarray(rng.standard_normal((b, t, kvh, hd), dtype=np.float32))
+    pt, qs = jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32)
+    got = attention_native(q, ck, cv, 0, pt, qs, qs + t, None, k_block, v_block, scale=0.25)
+    want = attention_with_block_ref(q, ck[0], cv[0], pt, qs, k_block, v_block, None, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_native_attention_with_inflight_block_equals_reference(tree):
     from jaxspec.cache.attention import attention_with_block_ref

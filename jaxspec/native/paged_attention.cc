@@ -81,14 +81,18 @@ void attend(const Dims& d, const float* q, const float* cache_k, const float* ca
             const float* k_block, const float* v_block, bool causal, float scale, float* out, int64_t b,
             int64_t kh, int64_t t0, int64_t t1) {
   const int64_t rows = (t1 - t0) * d.group;
-  const int64_t S = std::clamp<int64_t>(kv_len[b], 0, d.max_pages * d.ps);
+  const int64_t qs = q_start[b];
+  // Slots come from the page table, or, with an in-flight block, from q_start on from the block:
+  // a table narrower than the block (the scorer's one page under a 64-token block) bounds only
+  // the prefix.
+  const int64_t slots = k_block != nullptr ? qs + d.T : d.max_pages * d.ps;
+  const int64_t S = std::clamp<int64_t>(kv_len[b], 0, slots);
   const int64_t S64 = std::max<int64_t>(kTile, (S + kTile - 1) / kTile * kTile);
   const int64_t hd64 = (d.hd + kTile - 1) / kTile * kTile;
-  const int64_t qs = q_start[b];
-  // Slots >= q_start come from the in-flight block when it is given (not in the cache yet).
   auto slot_ptr = [&](const float* cache, const float* block, int64_t s) {
     if (block != nullptr && s >= qs) return block + ((b * d.T + (s - qs)) * d.kvh + kh) * d.hd;
-    int64_t page = page_table[b * d.max_pages + s / d.ps];
+    // Never past the row's table either (a prefix longer than the table is invalid input).
+    int64_t page = page_table[b * d.max_pages + std::min<int64_t>(s / d.ps, d.max_pages - 1)];
     page = std::clamp<int64_t>(page, 0, d.P - 1);  // never read outside the cache
     return cache + (((layer * d.P + page) * d.ps + s % d.ps) * d.kvh + kh) * d.hd;
   };
