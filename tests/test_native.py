@@ -208,8 +208,9 @@ def test_missing_compiler_is_a_clear_error_or_a_warned_fallback(tmp_path):
 @pytest.mark.parametrize("t", [20, 64])
 def test_native_attention_with_a_block_wider_than_its_page_table(t):
     """The scorer's forward (engine/scoring.py): no prefix, a one-page table (16 slots) and the
-    whole prompt as the in-flight block. The block's slots are not bounded by the table; until
-    2026-12-06 the kernel clamped them to it (latent at T <= 32, wrong from the 17th query on)."""
+    whole prompt as the in-flight block. The block's slots are not bounded by the table. The kernel
+    clamped them to it, latent while every scorer block (128+ queries) went to the reference; when
+    blocks of up to 256 queries moved to the kernel, prompt logprobs went wrong from the 17th token."""
     from jaxspec.cache.attention import attention_with_block_ref
 
     rng = np.random.default_rng(t)

@@ -83,7 +83,7 @@ void attend(const Dims& d, const float* q, const float* cache_k, const float* ca
   const int64_t rows = (t1 - t0) * d.group;
   const int64_t qs = q_start[b];
   // Slots come from the page table, or, with an in-flight block, from q_start on from the block:
-  // a table narrower than the block (the scorer's one page under a 64-token block) bounds only
+  // a table narrower than the block (the scorer's one page under a 128-token block) bounds only
   // the prefix.
   const int64_t slots = k_block != nullptr ? qs + d.T : d.max_pages * d.ps;
   const int64_t S = std::clamp<int64_t>(kv_len[b], 0, slots);
