@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per shape and path (after one warm-up)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as the server's --set (repeatable)")
+    p.set_defaults(config=None)  # no --config: config_from_args reads one when given
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
@@ -102,19 +103,16 @@ def main(argv=None) -> int:
     if args.reps < 1:
         raise SystemExit("--reps must be >= 1")
 
-    from jaxspec.config import ConfigValueError, load_config
+    from jaxspec.config import ConfigValueError, apply_overrides, load_config
     from jaxspec.engine.assemble import assemble
+    from jaxspec.generate import config_from_args
     from jaxspec.models.loading import load_model
     from jaxspec.serve.launch import SERVE_DEFAULTS
 
-    overrides = {**SERVE_DEFAULTS, "spec.algorithm": "none", "engine.max_batch_size": 8, "engine.max_context": 2048}
-    for item in args.set:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        overrides[key.strip()] = value
-    try:
-        cfg = load_config(None, overrides)
+    base = apply_overrides(load_config(None), {**SERVE_DEFAULTS, "spec.algorithm": "none",
+                                               "engine.max_batch_size": 8, "engine.max_context": 2048})
+    try:  # the CLI's and the server's --set reading, on the server's defaults
+        cfg = config_from_args(args, base=base)
     except ConfigValueError as e:
         raise SystemExit(f"--set: {e}") from None
     model = load_model(cfg.model.path, progress=False)
@@ -140,15 +138,16 @@ def main(argv=None) -> int:
     base = paths[0]
     print(f"jaxspec prefill calls: {cfg.model.path} model, serve configuration, speculation off; "
           f"medians of {args.reps}, paths taking turns")
-    print("| rows x chunk | cached before | " + " | ".join(f"{p} ms" for p in paths) + " | "
-          + " | ".join(f"{p} / {base}" for p in paths[1:]) + " | ms per token (" + base + ") |")
-    print("|---" * (3 + 2 * len(paths) - 1) + "|")
+    head = ["rows x chunk", "cached before", *(f"{p} ms" for p in paths), *(f"{p} / {base}" for p in paths[1:]),
+            f"ms per token ({base})"]
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
     for shape in shapes:
         med = {path: statistics.median(times[(path, shape)]) * 1e3 for path in paths}
         rows, chunk, start = shape
-        print(f"| {rows} x {chunk} | {start} | " + " | ".join(f"{med[p]:.0f}" for p in paths) + " | "
-              + " | ".join(f"{med[p] / med[base]:.2f}" for p in paths[1:])
-              + f" | {med[base] / (rows * chunk):.2f} |")
+        cells = [f"{rows} x {chunk}", str(start), *(f"{med[p]:.0f}" for p in paths),
+                 *(f"{med[p] / med[base]:.2f}" for p in paths[1:]), f"{med[base] / (rows * chunk):.2f}"]
+        print("| " + " | ".join(cells) + " |")
     return 0
 
 

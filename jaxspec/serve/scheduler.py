@@ -272,12 +272,11 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> None:
-        self._drain_inbox()
-        self._admit()
-        for call in range(self.prefill_calls_per_step):
-            if call:  # what arrived during the last call is prefilled before the decode call too
-                self._drain_inbox()
-                self._admit()
+        for _ in range(self.prefill_calls_per_step):
+            # Before every prefill call: what arrived during the last one is prefilled before the
+            # decode call too.
+            self._drain_inbox()
+            self._admit()
             if not self.prefilling:
                 break
             self._prefill_step()
