@@ -163,9 +163,13 @@ class ServeSection:
     # Speculative iterations per device call: larger amortises the host round
     # trip, smaller lets new requests in sooner (they wait at most one call).
     steps_per_call: int = 4
-    prefill_chunk: int = 256  # prompt tokens per prefill call and row
+    prefill_chunk: int = 256  # prompt tokens per prefill call and row (one row per sequence, not packed)
     max_prefill_batch: int = 8
     prefill_tokens: int = 512  # padded tokens (rows x chunk bucket) per prefill call
+    # Packed prefill: rows of this many prompt tokens, a sequence taking as many as it needs, when the
+    # drafter keeps no per-sequence state (plain decoding, n-gram); 0 = one row per sequence, padded
+    # to the call's chunk bucket (serve/prefill_plan.py).
+    prefill_piece: int = 16
     # Prefill calls one scheduler step may run back to back (admitting arrivals between them)
     # before the running batch's decode call: 1 alternates, more favours time to first token over
     # the running requests' inter-token latency (SGLang's scheduler runs every ready prefill first).
@@ -232,6 +236,8 @@ class Config:
             (self.serve.prefill_chunk >= 1, "serve.prefill_chunk must be >= 1"),
             (self.serve.max_prefill_batch >= 1, "serve.max_prefill_batch must be >= 1"),
             (self.serve.prefill_tokens >= 1, "serve.prefill_tokens must be >= 1"),
+            (0 <= self.serve.prefill_piece <= self.serve.prefill_tokens,
+             "serve.prefill_piece must be 0 (off) or between 1 and serve.prefill_tokens"),
             (self.serve.prefill_calls_per_step >= 1, "serve.prefill_calls_per_step must be >= 1"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,
              "serve.adaptive_steps must be non-empty draft lengths >= 0"),

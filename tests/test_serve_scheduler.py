@@ -61,7 +61,8 @@ def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
     server = build_server(config(path, **{"spec.algorithm": "ngram", "spec.topk": 2, "spec.num_steps": 3,
                                           "spec.num_draft_tokens": 8, "serve.adaptive": False,
                                           "engine.length_buckets": "8,16,32,128", "serve.max_prefill_batch": 4,
-                                          "serve.prefill_tokens": 32, "serve.context_buckets": "16,64"}),
+                                          "serve.prefill_tokens": 32, "serve.context_buckets": "16,64",
+                                          "serve.prefill_piece": 0}),
                           progress=False)
     assert server.runner.prefill_shapes == ((4, 8), (4, 16))
     assert not server.runner.plans[7].chain  # the fixed tree is served as configured
@@ -82,6 +83,49 @@ def test_served_ngram_tree_plan_is_exact(tiny_dirs, reference):
     assert values["jaxspec_prefill_calls_total"] == len(padded)
     text = server.metrics.render().decode()
     assert "jaxspec_spec_position_acceptance" in text and server.runner.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram"])
+def test_packed_prefill_is_exact(tiny_dirs, reference, algorithm):
+    """Packed prefill: the 22-token prompt takes several 4-token rows of one call (pieces of one
+    sequence over one page table, the later ones attending to the earlier ones' K/V written in the
+    same layer), short prompts share the call; greedy output equals plain `Engine.generate`, with
+    speculation off and with n-gram drafts (a drafter without per-sequence state). Positive control:
+    the same run with the rows' page tables cleared for all but each sequence's first piece
+    (a later piece then reads another page) must differ."""
+    path, _ = tiny_dirs["llama"]
+    overrides = {"spec.algorithm": algorithm, "serve.prefill_piece": 4, "serve.prefill_tokens": 24,
+                 "serve.adaptive": False}
+    server = build_server(config(path, **overrides), progress=False)
+    r = server.runner
+    assert r.prefill_piece == 4 and r.prefill_batches == (1, 2, 4) and r.prefill_shapes == ((1, 4), (2, 4), (4, 4))
+    run_prefill, calls = r.run_prefill, []
+
+    def spy(key, x):
+        calls.append((x["slots"].tolist(), x["q_start"].tolist(), x["lens"].tolist()))
+        return run_prefill(key, x)
+
+    r.run_prefill = spy
+    got, _ = run_all(server, PROMPTS, NEW)
+    assert got == reference
+    # Some call gave one sequence several rows (its slot twice, consecutive starts).
+    assert any(len({s for s, n in zip(slots, lens) if n}) < sum(1 for n in lens if n) for slots, _, lens in calls)
+    assert all(max(lens) <= 4 for _, _, lens in calls)
+    if algorithm != "none":  # one positive control is enough
+        return
+
+    def broken(key, x):  # positive control: later pieces lose their page table
+        first = {}
+        for i, (slot, start) in enumerate(zip(x["slots"].tolist(), x["q_start"].tolist())):
+            if x["lens"][i] and first.setdefault(slot, start) != start:
+                x["table"][i] = 0
+        return run_prefill(key, x)
+
+    server = build_server(config(path, **overrides), progress=False)
+    run_prefill = server.runner.run_prefill
+    server.runner.run_prefill = broken
+    bad, _ = run_all(server, PROMPTS, NEW)
+    assert bad != reference
 
 
 def test_standalone_drafter_through_preemption_is_exact(tiny_dirs, reference):
@@ -138,8 +182,9 @@ def test_prefill_calls_per_step_prefill_arrivals_before_the_decode_call(tiny_dir
     request that arrives during one is admitted and prefilled before the step's decode call. The
     control (1, the default) alternates: one prefill call, then the decode call. Output is exact."""
     path, _ = tiny_dirs["llama"]
-    server = build_server(config(path, **{"serve.prefill_calls_per_step": calls, "serve.adaptive": False}),
-                          progress=False)
+    # One row per sequence (not packed): the prompts need more calls than the step allows.
+    server = build_server(config(path, **{"serve.prefill_calls_per_step": calls, "serve.adaptive": False,
+                                          "serve.prefill_piece": 0}), progress=False)
     sched, r, log = server.scheduler, server.runner, []
     run_prefill, run_decode = r.run_prefill, r.run_decode
     got, late = {}, []

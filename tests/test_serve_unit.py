@@ -437,6 +437,72 @@ def test_prefill_planner_stays_within_budget_and_shard_caps_and_finishes_no_fewe
         assert _finished(pending, (idx, c)) >= _finished(pending, _fifo_plan(pending, shapes, rows))
 
 
+PACKED_ROWS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32)  # what the runner compiles for piece 16 and a 512-token budget
+
+
+def test_packed_planner_pads_under_one_piece_per_turn():
+    """Eight cache-hit turns of 33-64 tokens (400 in all): one packed call finishes all eight in 28
+    rows of 16 (448 padded tokens), where the rectangle pads each to 64 (512)."""
+    from jaxspec.serve.prefill_plan import plan_packed
+
+    pending = [(0, n) for n in (50, 61, 40, 33, 64, 58, 47, 47)]
+    plan = plan_packed(pending, PACKED_ROWS, 16, _rows(PACKED_ROWS))
+    assert plan == [(i, n) for i, (_, n) in enumerate(pending)]
+    assert _rows(PACKED_ROWS)([0] * sum(-(-n // 16) for _, n in pending)) == 28
+    # Control: the rectangle planner takes the same eight in 8 rows x 64.
+    assert _plan(pending) == (list(range(8)), 64)
+
+
+def test_packed_planner_chunks_a_long_prompt_over_the_rows_left():
+    """A long prompt takes every row the short turns leave (a multiple of the piece), is not finished,
+    and an urgent one goes first whatever waits."""
+    from jaxspec.serve.prefill_plan import plan_packed
+
+    rows = _rows(PACKED_ROWS)
+    assert plan_packed([(0, 1000), (0, 40)], PACKED_ROWS, 16, rows) == [(0, 29 * 16), (1, 40)]
+    shorts = [(0, 100 + k) for k in range(8)]
+    plan = plan_packed([(0, 1000)] + shorts, PACKED_ROWS, 16, rows)
+    assert 0 not in dict(plan)
+    plan = plan_packed([(0, 1000)] + shorts, PACKED_ROWS, 16, rows, urgent=0)
+    assert plan[0] == (0, 512)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 2000)), min_size=1, max_size=12),
+       st.sampled_from([1, 2]), st.sampled_from([4, 16, 32]), st.booleans())
+def test_packed_planner_fills_a_compiled_bucket_in_whole_pieces(pending, shards, piece, urgent):
+    """Every packed plan fits a compiled row bucket within the shard caps, takes the shortest (or the
+    urgent) sequence, gives each sequence whole pieces (only its last partial, only when it finishes),
+    and finishes no fewer sequences than the rectangle planner over the same token budget."""
+    from jaxspec.serve.prefill_plan import plan_packed
+    from jaxspec.serve.scheduler import plan_prefill
+
+    pending = [(s % shards, n) for s, n in pending]
+    budget = 512
+    buckets = tuple(b for b in sorted({1, 2, 4, *range(8, budget // piece + 1, 4)}) if b <= budget // piece)
+    buckets = tuple(sorted({-(-b // shards) * shards for b in buckets}))
+
+    def rows(of):
+        return next((b for b in buckets if b // shards >= max(of.count(d) for d in range(shards))), None)
+
+    first = len(pending) - 1 if urgent else None
+    plan = plan_packed(pending, buckets, piece, rows, urgent=first)
+    idx = [i for i, _ in plan]
+    assert idx and idx == sorted(set(idx))
+    assert (first if urgent else min(range(len(pending)), key=lambda i: (pending[i][1], i))) in idx
+    for i, n in plan:
+        assert 0 < n <= pending[i][1] and (n % piece == 0 or n == pending[i][1])
+    used = [pending[i][0] for i, n in plan for _ in range(-(-n // piece))]
+    assert rows(used) in buckets and rows(used) * piece <= max(budget, piece * shards)
+    if not urgent:
+        batches = tuple(b for b in BATCHES if b % shards == 0)
+        rect = plan_prefill(pending, _shapes(batches, CHUNKS, budget), CHUNKS,
+                            lambda of: next((b for b in batches
+                                             if b // shards >= max(of.count(d) for d in range(shards))), None), 256)
+        done = sum(1 for i, n in plan if n == pending[i][1])
+        assert done >= _finished(pending, rect)
+
+
 def test_make_room_evicts_least_recent_evictable_programs_then_refuses(monkeypatch):
     """mappings.make_room, counted at 100 mappings per program: evicts what `evictable` allows, least
     recently used first, stops as soon as `need` fit, and refuses (naming vm.max_map_count) when the

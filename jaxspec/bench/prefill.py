@@ -8,7 +8,10 @@ can take on CPU:
 
 - `native`: the FFI kernel for blocks of up to `native.paged_attention.MAX_QUERIES` queries;
 - `blocked`: the jnp `cache.attention.paged_attention_blocked` for chunks of more than 32 queries
-  (what ran before 2026-12-06), by lowering the kernel's bound to 32 for that runner.
+  (what ran before 2026-12-06), by lowering the kernel's bound to 32 for that runner;
+- `packed`: the native kernel, each row's chunk cut into rows of `serve.prefill_piece` tokens over
+  the same page table (the server's packed prefill, `serve/prefill_plan.py`): what packing costs
+  per real token when nothing needs padding.
 
 Each path gets its own runner (so its own compiled programs); the paths take turns per repetition,
 and the table reports medians with the ratio to the first path.
@@ -17,6 +20,7 @@ and the table reports medians with the ratio to the first path.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import statistics
 import sys
@@ -24,7 +28,7 @@ import time
 
 import numpy as np
 
-PATHS = ("native", "blocked")
+PATHS = ("native", "blocked", "packed")
 DEFAULT_SHAPES = "1x32@400,1x64@400,4x64@400,8x32@400,1x128@400,1x256@400,2x256@1200"
 
 
@@ -77,7 +81,9 @@ class Calls:
                 tokens = [int(x) for x in rng.integers(100, 20000, start + chunk)]
                 runner.allocator.allocate(sid, start + chunk + 1)
                 table = np.asarray(runner.allocator.page_table_row(sid, runner.max_pages))
-                calls.append((RowInput(tokens, len(tokens), table, slot=i, cached=start), start, chunk))
+                row = RowInput(tokens, len(tokens), table, slot=i, cached=start)
+                g = runner.prefill_piece or chunk  # packed: the chunk in rows of one piece each
+                calls += [(row, start + off, min(g, chunk - off)) for off in range(0, chunk, g)]
             self.chunks[(rows, chunk, start)] = calls
 
     def time(self, shape) -> float:
@@ -89,7 +95,7 @@ class Calls:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxspec.bench prefill")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of ROWSxCHUNK@START (cached tokens before)")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of: {', '.join(PATHS)}")
+    p.add_argument("--paths", default="native,packed", help=f"comma list of: {', '.join(PATHS)}")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per shape and path (after one warm-up)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as the server's --set (repeatable)")
@@ -117,9 +123,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"--set: {e}") from None
     model = load_model(cfg.model.path, progress=False)
     runs = {}
+    piece = cfg.serve.prefill_piece
     for path in paths:
         with attention_path(path):
-            runner = assemble(cfg, model, serving=True, progress=False)
+            serve = dataclasses.replace(cfg.serve, prefill_piece=piece if path == "packed" else 0)
+            runner = assemble(dataclasses.replace(cfg, serve=serve), model, serving=True, progress=False)
+            if path == "packed" and not runner.prefill_piece:
+                raise SystemExit("--paths packed: serve.prefill_piece is 0")
+            if path == "packed" and any(r * c > runner.prefill_batches[-1] * piece for r, c, _ in shapes):
+                raise SystemExit(f"--paths packed: every shape's rows x chunk must be <= "
+                                 f"{runner.prefill_batches[-1] * piece} (serve.prefill_tokens)")
             if not runner.native_kernels and path == "native":
                 raise SystemExit("--paths native: this runner does not use the native CPU kernels "
                                  "(engine.cpu_kernels, dtype or device); time `blocked` alone")

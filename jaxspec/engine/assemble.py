@@ -91,7 +91,8 @@ def assemble(cfg: Config, model, *, mesh=None, progress: bool = True, benchmark:
     return ModelRunner(model.params, model.config, ecfg, spec=spec if spec_on else None,
                        steps_candidates=candidates, steps_per_call=s.steps_per_call,
                        context_buckets=s.context_buckets, prefill_chunk=s.prefill_chunk,
-                       max_prefill_batch=s.max_prefill_batch, prefill_tokens=s.prefill_tokens, **kw)
+                       max_prefill_batch=s.max_prefill_batch, prefill_tokens=s.prefill_tokens,
+                       prefill_piece=s.prefill_piece, **kw)
 
 
 def num_pages_from_memory(cfg: Config, model_cfg, data_shards: int = 1) -> int:

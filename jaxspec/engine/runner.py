@@ -102,7 +102,7 @@ class ModelRunner:
                  steps_candidates: Sequence[int] | None = None, steps_per_call: int | None = None,
                  context_buckets: Sequence[int] | None = None, prefill_chunk: int | None = None,
                  max_prefill_batch: int | None = None, prefill_tokens: int | None = None,
-                 adaptive_lengths: Sequence[int] | None = None):
+                 prefill_piece: int = 0, adaptive_lengths: Sequence[int] | None = None):
         # 1. Mesh and weights.
         self.mesh = mesh
         self.split_pages = bool(split_pages and mesh is not None and mesh.shape["data"] > 1)
@@ -181,6 +181,16 @@ class ModelRunner:
         # Slots per store (split pages: per data shard, shard-local ids); `num_slots` is the spare.
         self.num_slots = self.batch_buckets[-1] // n if self.split_pages else engine_cfg.max_batch_size
         self.store = self._new_store()
+        # Packed prefill (`serve/prefill_plan.py`): with no drafter state per sequence (plain decoding,
+        # n-gram), a sequence may take several rows of one call, `piece` tokens each, in row buckets
+        # up to the token budget; the rows of one call then pad under one piece per sequence.
+        stateless = self.store[0] is None and not jax.tree.leaves(self.store[1])
+        self.prefill_piece = min(prefill_piece, self.max_context) if stateless else 0
+        if self.prefill_piece:
+            most = max(budget // self.prefill_piece, 1)
+            rows = {r for r in (1, 2, 4, *range(8, most + 1, 4)) if r <= most} or {1}
+            self.prefill_batches = tuple(sorted({up(r) for r in rows}))
+            self.prefill_shapes = tuple((b, self.prefill_piece) for b in self.prefill_batches)
         # 4. The jitted programs; `pinned`: outputs keep the mesh layout, so each accepts its own outputs.
         self._decode = {k: self._decode_fn(k) for k in self.candidates}
         self._prefill = self._prefill_fn()
@@ -506,7 +516,11 @@ class ModelRunner:
 
     def prefill_inputs(self, chunks: Sequence[tuple[RowInput, int, int]]) -> tuple[tuple, dict]:
         b = bucket_for(len(chunks), self.prefill_batches, "prefill batch")
-        c = bucket_for(max(ch[2] for ch in chunks if ch is not None), self.chunk_buckets, "prefill chunk")
+        longest = max(ch[2] for ch in chunks if ch is not None)
+        if self.prefill_piece and longest > self.prefill_piece:
+            raise ValueError(f"a packed prefill row takes at most {self.prefill_piece} tokens (serve.prefill_piece), "
+                             f"got a chunk of {longest}")
+        c = self.prefill_piece or bucket_for(longest, self.chunk_buckets, "prefill chunk")
         ctx = self.prefill_context(max(ch[1] + ch[2] for ch in chunks if ch is not None), c)
         return host_io.pack_prefill(chunks, b=b, c=c, ctx=ctx, width=self.table_width(ctx), num_slots=self.num_slots,
                                     max_context=self.max_context, check=self._check_shard)

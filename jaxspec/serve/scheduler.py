@@ -4,8 +4,9 @@ One scheduler step:
 
 1. take new sequences and cancellations from the inbox; free cancelled ones;
 2. admit waiting sequences (FIFO) while a batch slot and KV pages are free;
-3. one chunked-prefill call for sequences still prefilling (`plan_prefill`:
-   fewest tokens left first, the shape finishing most with least padding);
+3. one chunked-prefill call for sequences still prefilling (`serve/prefill_plan.py`:
+   fewest tokens left first, the shape finishing most with least padding; packed
+   rows of `prefill_piece` tokens when the drafter keeps no per-sequence state);
    with `prefill_calls_per_step` > 1, up to that many, admitting between them;
 4. one decode call of up to `steps_per_call` speculative iterations for the
    running batch, after giving each row pages for the call (preempting the
@@ -46,6 +47,7 @@ from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.serve.prefill_plan import MAX_PREFILL_SKIPS, plan_packed, plan_prefill
 
 log = logging.getLogger("jaxspec.serve")
 
@@ -105,60 +107,6 @@ class Seq:
         """Tokens to prefill: the whole prompt, or, when recomputing after a
         preemption, everything but the newest token (the decode root)."""
         return len(self.tokens) - (1 if self.num_generated else 0)
-
-
-CALL_OVERHEAD_TOKENS = 32  # a prefill call's fixed cost (weights read, dispatch) in tokens of compute
-MAX_PREFILL_SKIPS = 8  # prefill calls a sequence may be passed over before it is taken first
-
-
-def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], ...], chunk_buckets: tuple[int, ...],
-                 padded_rows: Callable[[list[int]], int | None], chunk: int, *,
-                 urgent: int | None = None) -> tuple[list[int], int]:
-    """The next prefill call: which of `pending` it takes (indices, ascending) and its chunk bucket.
-
-    pending: (data shard, prompt tokens left) per prefilling sequence, oldest first. shapes: the
-    compiled (rows, chunk bucket) programs, rows x chunk within the token budget (the smallest row
-    bucket takes any chunk). padded_rows: the row bucket a call taking sequences on these shards is
-    padded to (None: no bucket holds them). chunk: the most prompt tokens a row takes per call.
-
-    Rows go to the sequences with the fewest prompt tokens left, each taking min(chunk bucket,
-    tokens left), so a long prompt fills its row exactly (chunked prefill) and a 40-token cache-hit
-    turn no longer waits behind a 1,500-token prompt's six chunks (oldest-first did, with half the
-    multi-turn replay's prefilled tokens padding). Of the compiled shapes, the call is the one that
-    brings the most sequences to their first token, then the one with the most prompt tokens per
-    unit of cost: on CPU a call costs its padded tokens (rows x chunk) plus a fixed overhead.
-    `urgent` (the scheduler's oldest sequence passed over MAX_PREFILL_SKIPS calls) is always
-    taken, so a long prompt never starves behind a stream of short ones.
-    """
-    order = sorted(range(len(pending)), key=lambda i: (pending[i][1], i))
-    if urgent is not None:
-        order.remove(urgent)
-        order.insert(0, urgent)
-    best, best_key = None, None
-    for b, c in shapes:
-        if c > chunk:
-            continue
-        taken: list[int] = []
-        for i in order:
-            if len(taken) == b:
-                break
-            rows = padded_rows([pending[j][0] for j in taken + [i]])
-            if rows is not None and rows <= b:
-                taken.append(i)
-        if not taken or taken[0] != order[0]:
-            continue
-        used = bucket_for(max(min(c, pending[i][1]) for i in taken), chunk_buckets, "prefill chunk")
-        rows = padded_rows([pending[i][0] for i in taken])
-        if (rows, used) not in shapes:
-            continue
-        useful = sum(min(used, pending[i][1]) for i in taken)
-        done = sum(1 for i in taken if pending[i][1] <= used)
-        key = (done, useful / (rows * used + CALL_OVERHEAD_TOKENS), useful, used)
-        if best_key is None or key > best_key:
-            best, best_key = (sorted(taken), used), key
-    if best is None:  # the smallest row bucket takes any chunk: one row always fits
-        return [order[0]], bucket_for(min(chunk, pending[order[0]][1]), chunk_buckets, "prefill chunk")
-    return best
 
 
 class Scheduler:
@@ -432,32 +380,46 @@ class Scheduler:
         r = self.runner
         pending = [(s.shard or 0, s.prefill_target - s.num_cached) for s in self.prefilling]
         urgent = next((i for i, s in enumerate(self.prefilling) if s.prefill_skips >= MAX_PREFILL_SKIPS), None)
-        idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk,
-                              urgent=urgent)
+        # 1. The plan: (sequence, prompt tokens taken) each, and the tokens per row.
+        if r.prefill_piece:
+            plan = plan_packed(pending, r.prefill_batches, r.prefill_piece, self._prefill_rows, urgent=urgent)
+            c = r.prefill_piece
+        else:
+            idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk,
+                                  urgent=urgent)
+            plan = [(i, min(c, pending[i][1])) for i in idx]
+        taken = {i for i, _ in plan}
         for i, s in enumerate(self.prefilling):
-            s.prefill_skips = 0 if i in idx else s.prefill_skips + 1
-        layout = self._layout([self.prefilling[i] for i in idx], r.prefill_batches)
-        chunks = [None if s is None else
-                  (self._row(s), s.num_cached, min(c, s.prefill_target - s.num_cached)) for s in layout]
+            s.prefill_skips = 0 if i in taken else s.prefill_skips + 1
+        # 2. The rows: a sequence's tokens in pieces of c (one piece unless packed), laid out by shard.
+        pieces = [(self.prefilling[i], self.prefilling[i].num_cached + off, min(c, n - off))
+                  for i, n in plan for off in range(0, n, c)]
+        layout = [None if j is None else pieces[j] for j in r.place([s.shard for s, _, _ in pieces], r.prefill_batches)]
+        rows = {}  # the row of each piece
+        chunks = [None if p is None else (rows.setdefault(p[0].seq_id, self._row(p[0])), p[1], p[2]) for p in layout]
         t0 = time.perf_counter()
         first, first_lp = r.prefill_scored(chunks)
         if self.metrics is not None:
-            rows = bucket_for(len(layout), r.prefill_batches, "prefill batch")  # what ran, padding rows too
-            self.metrics.prefill_call(time.perf_counter() - t0, sum(ch[2] for ch in chunks if ch is not None),
-                                      rows * c)
-        for seq, chunk, tok, lp in zip(layout, chunks, first, first_lp):
-            if seq is None:
-                continue
-            seq.num_cached += chunk[2]
+            b = bucket_for(len(layout), r.prefill_batches, "prefill batch")  # what ran, padding rows too
+            self.metrics.prefill_call(time.perf_counter() - t0, sum(n for _, n in plan), b * c)
+        # 3. Each sequence's sampled token is its last piece's (the one ending at its furthest slot).
+        end = {self.prefilling[i].seq_id: self.prefilling[i].num_cached + n for i, n in plan}
+        last = {p[0].seq_id: (tok, lp) for p, tok, lp in zip(layout, first, first_lp)
+                if p is not None and p[1] + p[2] == end[p[0].seq_id]}
+        for i, n in plan:
+            seq = self.prefilling[i]
+            seq.num_cached += n
             # Every chunk publishes the full pages it completed, so a request waiting for them
             # (_awaits_prefix) waits one chunk, not the whole prompt.
             self.allocator.cache_pages(seq.seq_id, seq.tokens, seq.num_cached)
+        for seq in [self.prefilling[i] for i, _ in plan]:
             if seq.num_cached < seq.prefill_target:
                 continue
             self.prefilling.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             if not seq.num_generated:  # fresh prompt: the sampled token is the first output
+                tok, lp = last[seq.seq_id]
                 seq.first_token_time = time.perf_counter()
                 if self.metrics is not None:
                     self.metrics.first_token(seq)
