@@ -186,8 +186,8 @@ class ModelRunner:
         # up to the token budget; the rows of one call then pad under one piece per sequence.
         stateless = self.store[0] is None and not jax.tree.leaves(self.store[1])
         self.prefill_piece = min(prefill_piece, self.max_context) if stateless else 0
-        if self.prefill_piece:
-            most = max(budget // self.prefill_piece, 1)
+        if self.prefill_piece:  # at most the tokens a one-row-per-sequence call could take
+            most = max(min(budget, self.prefill_batches[-1] * self.prefill_chunk) // self.prefill_piece, 1)
             rows = {r for r in (1, 2, 4, *range(8, most + 1, 4)) if r <= most} or {1}
             self.prefill_batches = tuple(sorted({up(r) for r in rows}))
             self.prefill_shapes = tuple((b, self.prefill_piece) for b in self.prefill_batches)
