@@ -20,8 +20,8 @@ and the table reports medians with the ratio to the first path.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time

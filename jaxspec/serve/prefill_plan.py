@@ -22,6 +22,15 @@ CALL_OVERHEAD_TOKENS = 32  # a prefill call's fixed cost (weights read, dispatch
 MAX_PREFILL_SKIPS = 8  # prefill calls a sequence may be passed over before it is taken first
 
 
+def _order(pending: list[tuple[int, int]], urgent: int | None) -> list[int]:
+    """Indices of `pending` by fewest prompt tokens left (oldest first among equals), `urgent` first."""
+    order = sorted(range(len(pending)), key=lambda i: (pending[i][1], i))
+    if urgent is not None:
+        order.remove(urgent)
+        order.insert(0, urgent)
+    return order
+
+
 def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], ...], chunk_buckets: tuple[int, ...],
                  padded_rows: Callable[[list[int]], int | None], chunk: int, *,
                  urgent: int | None = None) -> tuple[list[int], int]:
@@ -41,10 +50,7 @@ def plan_prefill(pending: list[tuple[int, int]], shapes: tuple[tuple[int, int], 
     `urgent` (the scheduler's oldest sequence passed over MAX_PREFILL_SKIPS calls) is always
     taken, so a long prompt never starves behind a stream of short ones.
     """
-    order = sorted(range(len(pending)), key=lambda i: (pending[i][1], i))
-    if urgent is not None:
-        order.remove(urgent)
-        order.insert(0, urgent)
+    order = _order(pending, urgent)
     best, best_key = None, None
     for b, c in shapes:
         if c > chunk:
@@ -101,10 +107,7 @@ def plan_packed(pending: list[tuple[int, int]], row_buckets: tuple[int, ...], pi
     token, then the one with the most prompt tokens per unit of cost (padded tokens plus
     CALL_OVERHEAD_TOKENS), as `plan_prefill` chooses.
     """
-    order = sorted(range(len(pending)), key=lambda i: (pending[i][1], i))
-    if urgent is not None:
-        order.remove(urgent)
-        order.insert(0, urgent)
+    order = _order(pending, urgent)
     best, best_key = None, None
     for b in row_buckets:
         taken: list[tuple[int, int]] = []

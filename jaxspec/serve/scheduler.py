@@ -388,31 +388,29 @@ class Scheduler:
             idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk,
                                   urgent=urgent)
             plan = [(i, min(c, pending[i][1])) for i in idx]
-        taken = {i for i, _ in plan}
+        taken = dict(plan)
         for i, s in enumerate(self.prefilling):
             s.prefill_skips = 0 if i in taken else s.prefill_skips + 1
+        batch = [(self.prefilling[i], n) for i, n in plan]
         # 2. The rows: a sequence's tokens in pieces of c (one piece unless packed), laid out by shard.
-        pieces = [(self.prefilling[i], self.prefilling[i].num_cached + off, min(c, n - off))
-                  for i, n in plan for off in range(0, n, c)]
+        pieces = [(s, s.num_cached + off, min(c, n - off)) for s, n in batch for off in range(0, n, c)]
         layout = [None if j is None else pieces[j] for j in r.place([s.shard for s, _, _ in pieces], r.prefill_batches)]
-        rows = {}  # the row of each piece
-        chunks = [None if p is None else (rows.setdefault(p[0].seq_id, self._row(p[0])), p[1], p[2]) for p in layout]
+        inputs = {}  # one RowInput per sequence, shared by its pieces
+        chunks = [None if p is None else (inputs.setdefault(p[0].seq_id, self._row(p[0])), p[1], p[2]) for p in layout]
         t0 = time.perf_counter()
         first, first_lp = r.prefill_scored(chunks)
         if self.metrics is not None:
             b = bucket_for(len(layout), r.prefill_batches, "prefill batch")  # what ran, padding rows too
             self.metrics.prefill_call(time.perf_counter() - t0, sum(n for _, n in plan), b * c)
         # 3. Each sequence's sampled token is its last piece's (the one ending at its furthest slot).
-        end = {self.prefilling[i].seq_id: self.prefilling[i].num_cached + n for i, n in plan}
+        end = {s.seq_id: s.num_cached + n for s, n in batch}
         last = {p[0].seq_id: (tok, lp) for p, tok, lp in zip(layout, first, first_lp)
                 if p is not None and p[1] + p[2] == end[p[0].seq_id]}
-        for i, n in plan:
-            seq = self.prefilling[i]
+        for seq, n in batch:
             seq.num_cached += n
             # Every chunk publishes the full pages it completed, so a request waiting for them
             # (_awaits_prefix) waits one chunk, not the whole prompt.
             self.allocator.cache_pages(seq.seq_id, seq.tokens, seq.num_cached)
-        for seq in [self.prefilling[i] for i, _ in plan]:
             if seq.num_cached < seq.prefill_target:
                 continue
             self.prefilling.remove(seq)
