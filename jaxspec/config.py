@@ -174,6 +174,11 @@ class ServeSection:
     # before the running batch's decode call: 1 alternates, more favours time to first token over
     # the running requests' inter-token latency (SGLang's scheduler runs every ready prefill first).
     prefill_calls_per_step: int = 1
+    # Iterations of a decode call while a prefill waits (a request arrived, or a prompt has chunks
+    # left): the running batch still advances, and the waiting prompt's next call comes a decode
+    # iteration later instead of steps_per_call iterations later. A runtime input of the same
+    # programs (no compile). 0 = always steps_per_call.
+    yield_steps: int = 1
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard
@@ -239,6 +244,8 @@ class Config:
             (0 <= self.serve.prefill_piece <= self.serve.prefill_tokens,
              "serve.prefill_piece must be 0 (off) or between 1 and serve.prefill_tokens"),
             (self.serve.prefill_calls_per_step >= 1, "serve.prefill_calls_per_step must be >= 1"),
+            (0 <= self.serve.yield_steps <= self.serve.steps_per_call,
+             "serve.yield_steps must be between 0 (off) and serve.steps_per_call"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,
              "serve.adaptive_steps must be non-empty draft lengths >= 0"),
             (0 <= self.serve.kv_memory_fraction < 1, "serve.kv_memory_fraction must be in [0, 1)"),

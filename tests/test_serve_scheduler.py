@@ -221,3 +221,71 @@ def test_prefill_calls_per_step_prefill_arrivals_before_the_decode_call(tiny_dir
     # Prefill-first: the arrival is running by the first decode call; alternating, it waits for it.
     assert first_decode == [Status.RUNNING if calls > 1 else Status.WAITING]
     assert r.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("yield_steps", [1, 0], ids=["yield", "control-full-calls"])
+def test_decode_calls_shorten_while_a_prefill_waits(tiny_dirs, reference, yield_steps):
+    """serve.yield_steps: while a prompt has prefill chunks left (or a request waits), the running
+    batch's decode call runs that many iterations (a runtime input of the same program), so the
+    next prefill call comes sooner; with nothing waiting it runs all steps_per_call (3). The control
+    (0) runs full calls throughout, so some call made while a prefill waited ran more than one
+    iteration. Output is exact either way."""
+    path, _ = tiny_dirs["llama"]
+    # One 16-token row per sequence and call: the 22-token prompt needs two calls, the 10-token one
+    # arrives once the first two decode.
+    server = build_server(config(path, **{"serve.yield_steps": yield_steps, "serve.adaptive": False,
+                                          "serve.prefill_piece": 0, "serve.max_prefill_batch": 1}), progress=False)
+    sched, r = server.scheduler, server.runner
+    assert sched.yield_steps == yield_steps
+    run_decode, calls = r.run_decode, []
+
+    def decode(key, x):
+        waits = sched._prefill_waits()  # what the scheduler saw choosing this call's length
+        out = run_decode(key, x)
+        calls.append((waits, int(x["iter_budget"].max()), int(out[4].max())))
+        return out
+
+    r.run_decode = decode
+    got, _ = run_all(server, PROMPTS, NEW)
+    assert got == reference
+    waited = [(budget, ran) for waits, budget, ran in calls if waits]
+    free = [(budget, ran) for waits, budget, ran in calls if not waits]
+    assert waited and free
+    assert all(budget == 3 for budget, _ in free) and max(ran for _, ran in free) == 3
+    if yield_steps:
+        assert all(budget == ran == 1 for budget, ran in waited)
+    else:
+        assert all(budget == 3 for budget, _ in waited) and max(ran for _, ran in waited) > 1
+
+
+def test_one_iteration_calls_cross_a_history_bucket_exactly(tiny_dirs, monkeypatch):
+    """steps_per_call = 1 without a drafter: a 60-token prompt reaches 64 tokens, the smallest
+    history bucket's edge, where the cache needs 64 slots but the history 65 tokens. The call
+    takes the next bucket and the output equals `Engine.generate`. Control: sizing the history by
+    the cache slots alone drops the token on the device, and the scheduler refuses the call that
+    committed nothing instead of repeating it forever."""
+    from jaxspec.serve.scheduler import Scheduler
+
+    path, _ = tiny_dirs["llama"]
+    prompt = [3 + (7 * i) % 90 for i in range(60)]
+    m = load_model(path, progress=False)
+    engine = Engine(m.params, m.config, EngineSection(max_batch_size=4, max_context=128, length_buckets=(32, 64, 128)),
+                    progress=False)
+    want = engine.generate([Request(prompt, SamplingParams(max_tokens=10))])[0].output_ids
+
+    def run():
+        server = build_server(config(path, **{"serve.steps_per_call": 1, "spec.algorithm": "none",
+                                              "serve.adaptive": False}), progress=False)
+        got, seq = [], Seq(list(prompt), SamplingParams(max_tokens=10), lambda e: got.extend(e.token_ids))
+        server.scheduler.submit(seq)
+        for _ in range(100):
+            if seq.status == Status.FINISHED:
+                break
+            server.scheduler.step()
+        return got, seq
+
+    got, seq = run()
+    assert seq.finish_reason == "length" and got == want
+    monkeypatch.setattr(Scheduler, "_history_need", lambda self, s: 0)
+    with pytest.raises(RuntimeError, match="committed no token"):
+        run()

@@ -76,7 +76,7 @@ def make_chunk_prefill_fn(cfg: ModelConfig, drafter, logprobs_mode: str = "raw",
 
 
 def spec_state(*, cache, draft, page_table, history, hist_len, prompt_lens, done, sampling, accept_width: int,
-               corpus=None, zeros: Callable = jnp.zeros) -> SpecState:
+               corpus=None, iter_budget=None, zeros: Callable = jnp.zeros) -> SpecState:
     """The speculative loop's carry, with no verify step taken yet.
 
     `zeros(shape, dtype)` makes the counters: jnp.zeros inside jitted code,
@@ -87,7 +87,7 @@ def spec_state(*, cache, draft, page_table, history, hist_len, prompt_lens, done
     return SpecState(
         cache=cache, draft=draft, page_table=page_table, history=history, hist_len=hist_len,
         prompt_lens=prompt_lens, done=done, num_verify=zeros((b,), jnp.int32),
-        accept_lens=zeros((b, accept_width), jnp.int32), sampling=sampling, corpus=corpus,
+        accept_lens=zeros((b, accept_width), jnp.int32), sampling=sampling, corpus=corpus, iter_budget=iter_budget,
     )
 
 

@@ -409,7 +409,7 @@ class ModelRunner:
             cache=self.cache, draft=None, page_table=i32(b, self.table_width(ctx)), history=i32(b, ctx),
             hist_len=i32(b), prompt_lens=i32(b), done=jax.ShapeDtypeStruct((b,), jnp.bool_),
             sampling=DeviceSampling.abstract(b), accept_width=self.accept_width(ctx), corpus=self.corpus,
-            zeros=jax.ShapeDtypeStruct,
+            iter_budget=i32(b) if self.steps_per_call else None, zeros=jax.ShapeDtypeStruct,
         )
 
     def compile(self, keys: Sequence[tuple], progress: bool = False) -> None:
@@ -551,17 +551,25 @@ class ModelRunner:
 
     prefill_outputs = staticmethod(host_io.prefill_outputs)
 
-    def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int) -> tuple[tuple, dict]:
+    def decode_inputs(self, k: int, rows: Sequence[RowInput], ctx: int, iters: int | None = None) -> tuple[tuple, dict]:
+        """(key, host inputs) of a decode call; `iters`: at most this many iterations (None or more
+        than `steps_per_call`: steps_per_call), a runtime input of the same program."""
         b = bucket_for(len(rows), self.batch_buckets, "batch size")
-        return host_io.pack_decode(k, rows, b=b, ctx=ctx, width=self.table_width(ctx), num_slots=self.num_slots,
-                                   check=self._check_shard)
+        key, inputs = host_io.pack_decode(k, rows, b=b, ctx=ctx, width=self.table_width(ctx),
+                                          num_slots=self.num_slots, check=self._check_shard)
+        if self.steps_per_call:
+            if iters is not None and iters < 1:
+                raise ValueError(f"a decode call runs at least one iteration, not {iters}")
+            inputs["iter_budget"] = np.full((b,), min(iters or self.steps_per_call, self.steps_per_call), np.int32)
+        return key, inputs
 
     def _state(self, x: dict, ctx: int) -> SpecState:
         """The loop carry of a call from its (device) inputs, drafter state aside."""
         return spec_state(
             cache=self.cache, draft=None, page_table=x["table"], history=x["history"], hist_len=x["hist_len"],
             prompt_lens=x["prompt_lens"], done=x["done"], sampling=x["sampling"], accept_width=self.accept_width(ctx),
-            corpus=self.corpus, zeros=lambda shape, dtype: shd.shard_batch(np.zeros(shape, dtype), self.mesh),
+            corpus=self.corpus, iter_budget=x.get("iter_budget"),
+            zeros=lambda shape, dtype: shd.shard_batch(np.zeros(shape, dtype), self.mesh),
         )
 
     def run_decode(self, key: tuple, inputs: dict) -> tuple[np.ndarray, ...]:
@@ -584,10 +592,10 @@ class ModelRunner:
         entries = state.logprobs.entries() if logprobs and state.logprobs is not None else None
         return shd.to_host((state.history, state.hist_len, state.done, state.accept_lens, state.num_verify, entries))
 
-    def decode(self, k: int, rows: Sequence[RowInput], ctx: int):
-        """Up to steps_per_call iterations with draft length k; returns ([RowOutput | None per row], iterations
-        run); a None row (padding) gets None."""
-        key, inputs = self.decode_inputs(k, rows, ctx)
+    def decode(self, k: int, rows: Sequence[RowInput], ctx: int, iters: int | None = None):
+        """Up to steps_per_call iterations (or `iters`, when fewer) with draft length k; returns ([RowOutput |
+        None per row], iterations run); a None row (padding) gets None."""
+        key, inputs = self.decode_inputs(k, rows, ctx, iters)
         return self.decode_outputs(rows, self.run_decode(key, inputs))
 
     decode_outputs = staticmethod(host_io.decode_outputs)

@@ -46,8 +46,11 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
                     sampling=DeviceSampling.pack([], b), history=z(b, runner.max_context), prompt_lens=z(b),
                     resume=z(b, dtype=bool))
     _, _, b, ctx = key
-    return dict(table=z(b, runner.table_width(ctx)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
-                done=z(b, dtype=bool), slots=z(b), sampling=DeviceSampling.pack([], b))
+    out = dict(table=z(b, runner.table_width(ctx)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
+               done=z(b, dtype=bool), slots=z(b), sampling=DeviceSampling.pack([], b))
+    if runner.steps_per_call:
+        out["iter_budget"] = z(b)
+    return out
 
 
 class LeaderRunner:
@@ -71,8 +74,8 @@ class LeaderRunner:
         self._announce(key, inputs)
         return self._runner.prefill_outputs(chunks, self._runner.run_prefill(key, inputs))
 
-    def decode(self, k, rows, ctx):
-        key, inputs = self._runner.decode_inputs(k, rows, ctx)
+    def decode(self, k, rows, ctx, iters=None):
+        key, inputs = self._runner.decode_inputs(k, rows, ctx, iters)
         self._announce(key, inputs)
         return self._runner.decode_outputs(rows, self._runner.run_decode(key, inputs))
 

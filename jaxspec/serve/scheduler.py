@@ -10,7 +10,8 @@ One scheduler step:
    with `prefill_calls_per_step` > 1, up to that many, admitting between them;
 4. one decode call of up to `steps_per_call` speculative iterations for the
    running batch, after giving each row pages for the call (preempting the
-   newest sequence when the pool is dry; it is recomputed later).
+   newest sequence when the pool is dry; it is recomputed later); only
+   `yield_steps` of them while a prefill waits (a runtime input, not a program).
 
 A new request therefore waits at most one decode call before its prefill, and
 a cancelled one returns its pages within one call. The scheduler runs on its
@@ -111,9 +112,10 @@ class Seq:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
-                 metrics=None, prefill_calls_per_step: int = 1):
+                 metrics=None, prefill_calls_per_step: int = 1, yield_steps: int = 0):
         self.runner = runner
         self.prefill_calls_per_step = prefill_calls_per_step
+        self.yield_steps = yield_steps  # decode iterations per call while a prefill waits; 0 = steps_per_call
         self.allocator = runner.allocator
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -260,6 +262,13 @@ class Scheduler:
                 for s in [*self.waiting, *self.prefilling, *self.running]:  # waiting is a deque: no `+`
                     self._finish(s, "abort")
                 self.waiting.clear()
+
+    def _history_need(self, seq: Seq) -> int:
+        """Tokens `seq`'s history may hold after the next decode call. One more than the cache slots
+        without a reserve: the newest token has no K/V yet. A history bucket one short drops that
+        token on the device, and with one iteration per call the row never advances."""
+        r = self.runner
+        return min(len(seq.tokens) + r.steps_per_call * (r.max_depth + 1), len(seq.prompt_ids) + seq.params.max_tokens)
 
     def _lookahead(self, seq: Seq) -> int:
         """Cache slots `seq` may touch during the next decode call (scratch of the last tree included)."""
@@ -459,6 +468,13 @@ class Scheduler:
             self.metrics.preempted()
         log.info("preempted request %d (%d tokens) for KV pages", seq.seq_id, len(seq.tokens))
 
+    def _prefill_waits(self) -> bool:
+        """Whether the next step has a prefill call to make: a prompt with chunks left, a request in the
+        inbox, or a waiting one with a batch slot free (one without waits for this call's rows to finish)."""
+        if self.prefilling or not self._inbox.empty():
+            return True
+        return bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_batch_size
+
     def _decode_step(self) -> None:
         r = self.runner
         self._ensure_pages()
@@ -467,10 +483,12 @@ class Scheduler:
         batch = list(self.running)
         layout = self._layout(batch, r.batch_buckets)
         b = next(x for x in r.batch_buckets if x >= len(layout))
-        ctx = r.context_bucket(max(self._lookahead(s) for s in batch))  # independent of k: max_depth of all
+        # Independent of k (max_depth of all); wide enough for the page table and for the history.
+        ctx = r.context_bucket(max(max(self._lookahead(s), self._history_need(s)) for s in batch))
         k = self.adaptive.choose((b, ctx)) if self.adaptive is not None else self.fixed_k
+        iters = self.yield_steps if self.yield_steps and self._prefill_waits() else None
         t0 = time.perf_counter()
-        outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx)
+        outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx, iters)
         seconds = time.perf_counter() - t0
         self.num_decode_calls += 1
         accept = [a for o in outs if o is not None for a in o.accept_lens]
@@ -483,6 +501,9 @@ class Scheduler:
         for seq, out in zip(layout, outs):
             if seq is None:
                 continue
+            if not out.tokens and not out.done:  # a call that cannot advance a row would repeat forever
+                raise RuntimeError(f"decode call committed no token for request {seq.seq_id} "
+                                   f"({len(seq.tokens)} tokens, history bucket {ctx})")
             seq.num_cached = len(seq.tokens) - 1 + len(out.tokens)
             self._emit(seq, out.tokens, out.done, out.logprobs)
 

@@ -211,7 +211,8 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     if len(runner.candidates) > 1:
         adaptive = AdaptiveSteps(runner.candidates, {}, hysteresis=s.adaptive_hysteresis)
     scheduler = Scheduler(runner, model.tokenizer, max_batch_size=cfg.engine.max_batch_size, adaptive=adaptive,
-                          metrics=metrics, prefill_calls_per_step=s.prefill_calls_per_step)
+                          metrics=metrics, prefill_calls_per_step=s.prefill_calls_per_step,
+                          yield_steps=s.yield_steps)
     name = s.served_model_name or (
         "SmolLM2-135M-Instruct" if cfg.model.path == "default" else Path(cfg.model.path).name)
     defaults = {}

@@ -55,6 +55,10 @@ class SpecState:
     # The committed tokens' log-probabilities of this call (speculative/logprobs.py), or None:
     # not recorded (the decode function adds the buffers; a hand-built state may go without).
     logprobs: TokenLogprobs | None = None
+    # [B] int32 iterations this call may run (the same in every row: a per-row leaf shards with the
+    # batch), at most `max_iters`; or None: `max_iters`. The server shortens a call while a prefill
+    # waits, without compiling a program per length.
+    iter_budget: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +339,8 @@ def spec_iteration(plan: SpecPlan, cfg: ModelConfig, drafter, params, draft_para
 
 def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter, max_iters: int | None = None):
     """Iterate until every row is done, or for at most `max_iters` iterations (the
-    server's bounded calls, so requests can join between them). The returned state's
+    server's bounded calls, so requests can join between them; fewer when the state's
+    `iter_budget` says so). The returned state's
     `logprobs` hold the call's committed tokens' entries (as wide as a call can commit)."""
 
     def decode_fn(params, draft_params, state: SpecState) -> SpecState:
@@ -349,8 +354,9 @@ def make_spec_decode_fn(plan: SpecPlan, cfg: ModelConfig, drafter, max_iters: in
                 lambda s: spec_iteration(plan, cfg, drafter, params, draft_params, s),
                 state,
             )
+        limit = max_iters if state.iter_budget is None else jnp.minimum(max_iters, jnp.max(state.iter_budget))
         return jax.lax.while_loop(
-            lambda c: (c[0] < max_iters) & ~jnp.all(c[1].done),
+            lambda c: (c[0] < limit) & ~jnp.all(c[1].done),
             lambda c: (c[0] + 1, spec_iteration(plan, cfg, drafter, params, draft_params, c[1])),
             (jnp.int32(0), state),
         )[1]
