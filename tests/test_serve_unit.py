@@ -440,17 +440,35 @@ def test_prefill_planner_stays_within_budget_and_shard_caps_and_finishes_no_fewe
 PACKED_ROWS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32)  # what the runner compiles for piece 16 and a 512-token budget
 
 
-def test_packed_planner_pads_under_one_piece_per_turn():
-    """Eight cache-hit turns of 33-64 tokens (400 in all): one packed call finishes all eight in 28
-    rows of 16 (448 padded tokens), where the rectangle pads each to 64 (512)."""
+def test_batch_size_weighs_a_call_of_its_own_against_delaying_the_batch():
+    """prefill_plan.batch_size by hand (piece 16, a call's overhead and gap 32 + 32 tokens): sequence
+    i + 1 joins i while i x its tokens < (sequences behind it) x 64."""
+    from jaxspec.serve.prefill_plan import batch_size
+
+    assert batch_size([5], 16, 32) == 1
+    assert batch_size([5, 5, 5], 16, 32) == 2  # 80 < 2 x 64; then 160 >= 64
+    assert batch_size([19] * 8, 16, 32) == 2  # long prompts: 304 < 448; then 608 >= 384
+    assert batch_size([1] * 30, 16, 32) == 24  # a burst of one-piece turns: i x 16 < (30 - i) x 64
+    assert batch_size([3, 3, 3, 3, 4, 4, 4, 4], 16, 0) == 4  # nothing decoding: 256 >= 4 x 32
+
+
+def test_packed_planner_finishes_the_shortest_turns_in_the_smallest_call():
+    """Eight cache-hit turns of 33-64 tokens (400 in all): the call finishes the four shortest in 12
+    rows of 16 (192 padded tokens), not all eight in 28 rows (448): those four are not held behind
+    the other four's 16 rows, and the next call takes the rest. Either pads under one piece per turn,
+    where the rectangle pads each to 64 (512). Control: 20 of a burst of 24 one-piece turns share one call
+    (a second call would cost the many behind more than the batch costs the first)."""
     from jaxspec.serve.prefill_plan import plan_packed
 
     pending = [(0, n) for n in (50, 61, 40, 33, 64, 58, 47, 47)]
-    plan = plan_packed(pending, PACKED_ROWS, 16, _rows(PACKED_ROWS))
-    assert plan == [(i, n) for i, (_, n) in enumerate(pending)]
-    assert _rows(PACKED_ROWS)([0] * sum(-(-n // 16) for _, n in pending)) == 28
-    # Control: the rectangle planner takes the same eight in 8 rows x 64.
-    assert _plan(pending) == (list(range(8)), 64)
+    rows = _rows(PACKED_ROWS)
+    assert plan_packed(pending, PACKED_ROWS, 16, rows) == [(2, 40), (3, 33), (6, 47), (7, 47)]
+    rest = [(0, n) for n in (50, 61, 64, 58)]  # the next call: two of the four (64 < 3 x 64; 128 >= 2 x 64)
+    assert plan_packed(rest, PACKED_ROWS, 16, rows) == [(0, 50), (3, 58)]
+    assert rows([0] * sum(-(-n // 16) for _, n in pending)) == 28
+    assert _plan(pending) == (list(range(8)), 64)  # the rectangle: the same eight in 8 rows x 64
+    burst = [(0, 16)] * 24
+    assert plan_packed(burst, PACKED_ROWS, 16, rows) == [(i, 16) for i in range(20)]  # i x 16 < (24 - i) x 64
 
 
 def test_packed_planner_chunks_a_long_prompt_over_the_rows_left():
@@ -459,7 +477,9 @@ def test_packed_planner_chunks_a_long_prompt_over_the_rows_left():
     from jaxspec.serve.prefill_plan import plan_packed
 
     rows = _rows(PACKED_ROWS)
-    assert plan_packed([(0, 1000), (0, 40)], PACKED_ROWS, 16, rows) == [(0, 29 * 16), (1, 40)]
+    # The 40-token turn gets a call of 4 rows (the spare row to the long prompt), not 32 rows.
+    assert plan_packed([(0, 1000), (0, 40)], PACKED_ROWS, 16, rows) == [(0, 16), (1, 40)]
+    assert plan_packed([(0, 1000)], PACKED_ROWS, 16, rows) == [(0, 512)]  # alone: the largest bucket
     shorts = [(0, 100 + k) for k in range(8)]
     plan = plan_packed([(0, 1000)] + shorts, PACKED_ROWS, 16, rows)
     assert 0 not in dict(plan)
@@ -473,9 +493,9 @@ def test_packed_planner_chunks_a_long_prompt_over_the_rows_left():
 def test_packed_planner_fills_a_compiled_bucket_in_whole_pieces(pending, shards, piece, urgent):
     """Every packed plan fits a compiled row bucket within the shard caps, takes the shortest (or the
     urgent) sequence, gives each sequence whole pieces (only its last partial, only when it finishes),
-    and finishes no fewer sequences than the rectangle planner over the same token budget."""
-    from jaxspec.serve.prefill_plan import plan_packed
-    from jaxspec.serve.scheduler import plan_prefill
+    finishes as many as `batch_size` asks where the largest bucket can, and no smaller bucket would
+    have finished as many."""
+    from jaxspec.serve.prefill_plan import DECODE_GAP_TOKENS, _order, batch_size, plan_packed
 
     pending = [(s % shards, n) for s, n in pending]
     budget = 512
@@ -494,13 +514,21 @@ def test_packed_planner_fills_a_compiled_bucket_in_whole_pieces(pending, shards,
         assert 0 < n <= pending[i][1] and (n % piece == 0 or n == pending[i][1])
     used = [pending[i][0] for i, n in plan for _ in range(-(-n // piece))]
     assert rows(used) in buckets and rows(used) * piece <= max(budget, piece * shards)
-    if not urgent:
-        batches = tuple(b for b in BATCHES if b % shards == 0)
-        rect = plan_prefill(pending, _shapes(batches, CHUNKS, budget), CHUNKS,
-                            lambda of: next((b for b in batches
-                                             if b // shards >= max(of.count(d) for d in range(shards))), None), 256)
-        done = sum(1 for i, n in plan if n == pending[i][1])
-        assert done >= _finished(pending, rect)
+    order = _order(pending, first)
+    want = batch_size([-(-pending[i][1] // piece) for i in order], piece, DECODE_GAP_TOKENS)
+
+    def finished(p):
+        return sum(1 for i, n in p if n == pending[i][1])
+
+    done = finished(plan)
+    # The largest bucket alone (every row bucket pads into it): what any call could finish.
+    largest = plan_packed(pending, buckets[-1:], piece, lambda of: buckets[-1] if rows(of) else None, urgent=first)
+    assert done >= min(want, finished(largest))
+    for b in buckets:  # no smaller compiled bucket finishes as many of the wanted
+        if b < rows(used):
+            alone = plan_packed(pending, (b,), piece, lambda of, b=b: b if rows(of) and rows(of) <= b else None,
+                                urgent=first)
+            assert min(want, finished(alone)) < min(want, done) or finished(alone) == 0 == done
 
 
 def test_make_room_evicts_least_recent_evictable_programs_then_refuses(monkeypatch):

@@ -19,6 +19,10 @@ from typing import Callable
 from jaxspec.engine.types import bucket_for
 
 CALL_OVERHEAD_TOKENS = 32  # a prefill call's fixed cost (weights read, dispatch) in tokens of compute
+# What a second prefill call costs the prompts still waiting beyond its overhead: the running batch's
+# decode call between the two (one iteration while a prefill waits, `serve.yield_steps`), in tokens
+# of prefill compute (~35 ms at batch 8 on the 2-core CPU, at ~1.5 ms a prefill token).
+DECODE_GAP_TOKENS = 32
 MAX_PREFILL_SKIPS = 8  # prefill calls a sequence may be passed over before it is taken first
 
 
@@ -91,9 +95,25 @@ def _fits(shards: list[int], shard: int, want: int, limit: int, padded_rows: Cal
     return lo
 
 
+def batch_size(rows: list[int], piece: int, gap: int) -> int:
+    """How many of the waiting sequences (rows each needs, in planning order) the next call should
+    finish, to bring the queue's prompts to their first token soonest in all.
+
+    A prefill call's cost grows with its tokens, so finishing sequences one call each would be
+    shortest-job-first; but each further call costs CALL_OVERHEAD_TOKENS and the `gap` (the decode
+    call between two prefill calls). Taking sequence i + 1 into a call of i delays those i by its
+    rows; giving it a call of its own delays it and the n - i - 1 behind it by one call's overhead
+    and gap. It joins while that is the cheaper: few waiting turns get small calls (a cache-hit turn
+    is not held up by three others' prompts), a long queue gets one large call."""
+    n, k = len(rows), 1
+    while k < n and k * rows[k] * piece < (n - k) * (CALL_OVERHEAD_TOKENS + gap):
+        k += 1
+    return k
+
+
 def plan_packed(pending: list[tuple[int, int]], row_buckets: tuple[int, ...], piece: int,
                 padded_rows: Callable[[list[int]], int | None], *,
-                urgent: int | None = None) -> list[tuple[int, int]]:
+                urgent: int | None = None, gap: int = DECODE_GAP_TOKENS) -> list[tuple[int, int]]:
     """The next packed prefill call: (index into `pending`, prompt tokens it takes) per sequence taken,
     ascending by index.
 
@@ -103,11 +123,14 @@ def plan_packed(pending: list[tuple[int, int]], row_buckets: tuple[int, ...], pi
 
     Sequences go fewest tokens left first (`urgent` before all), each taking every piece it needs
     while rows are left, so a sequence that does not fit takes the rest of the rows (chunked
-    prefill). Of the row buckets, the call is the one that brings the most sequences to their first
-    token, then the one with the most prompt tokens per unit of cost (padded tokens plus
-    CALL_OVERHEAD_TOKENS), as `plan_prefill` chooses.
+    prefill). The call aims to finish the first `batch_size` of them (`gap`: the decode call's cost
+    between two prefill calls, 0 when nothing decodes): of the row buckets, the smallest that
+    finishes as many of those as any bucket can, its spare rows going to the next sequences'
+    pieces; when no bucket finishes even the first (a long prompt), the one with the most prompt
+    tokens, then the most per unit of cost (padded tokens plus CALL_OVERHEAD_TOKENS).
     """
     order = _order(pending, urgent)
+    want = batch_size([-(-pending[i][1] // piece) for i in order], piece, gap)
     best, best_key = None, None
     for b in row_buckets:
         taken: list[tuple[int, int]] = []
@@ -122,8 +145,8 @@ def plan_packed(pending: list[tuple[int, int]], row_buckets: tuple[int, ...], pi
         if not taken or taken[0][0] != order[0] or padded_rows(shards) != b:
             continue
         useful = sum(t for _, t in taken)
-        done = sum(1 for i, t in taken if t == pending[i][1])
-        key = (done, useful / (b * piece + CALL_OVERHEAD_TOKENS), useful)
+        done = min(want, sum(1 for i, t in taken if t == pending[i][1]))
+        key = (done, -b if done else useful, useful / (b * piece + CALL_OVERHEAD_TOKENS))
         if best_key is None or key > best_key:
             best, best_key = sorted(taken), key
     if best is None:  # cannot happen while the smallest bucket holds one row; a clear error if it does

@@ -6,7 +6,8 @@ One scheduler step:
 2. admit waiting sequences (FIFO) while a batch slot and KV pages are free;
 3. one chunked-prefill call for sequences still prefilling (`serve/prefill_plan.py`:
    fewest tokens left first, the shape finishing most with least padding; packed
-   rows of `prefill_piece` tokens when the drafter keeps no per-sequence state);
+   rows of `prefill_piece` tokens when the drafter keeps no per-sequence state,
+   in calls sized to bring the waiting prompts to their first token soonest);
    with `prefill_calls_per_step` > 1, up to that many, admitting between them;
 4. one decode call of up to `steps_per_call` speculative iterations for the
    running batch, after giving each row pages for the call (preempting the
@@ -48,7 +49,7 @@ from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
-from jaxspec.serve.prefill_plan import MAX_PREFILL_SKIPS, plan_packed, plan_prefill
+from jaxspec.serve.prefill_plan import DECODE_GAP_TOKENS, MAX_PREFILL_SKIPS, plan_packed, plan_prefill
 
 log = logging.getLogger("jaxspec.serve")
 
@@ -391,7 +392,9 @@ class Scheduler:
         urgent = next((i for i, s in enumerate(self.prefilling) if s.prefill_skips >= MAX_PREFILL_SKIPS), None)
         # 1. The plan: (sequence, prompt tokens taken) each, and the tokens per row.
         if r.prefill_piece:
-            plan = plan_packed(pending, r.prefill_batches, r.prefill_piece, self._prefill_rows, urgent=urgent)
+            # The decode call between two prefill calls: yield_steps iterations, none when nothing runs.
+            gap = DECODE_GAP_TOKENS * (self.yield_steps or r.steps_per_call) if self.running else 0
+            plan = plan_packed(pending, r.prefill_batches, r.prefill_piece, self._prefill_rows, urgent=urgent, gap=gap)
             c = r.prefill_piece
         else:
             idx, c = plan_prefill(pending, r.prefill_shapes, r.chunk_buckets, self._prefill_rows, r.prefill_chunk,
