@@ -489,9 +489,9 @@ class Scheduler:
         # Independent of k (max_depth of all); wide enough for the page table and for the history.
         ctx = r.context_bucket(max(max(self._lookahead(s), self._history_need(s)) for s in batch))
         k = self.adaptive.choose((b, ctx)) if self.adaptive is not None else self.fixed_k
-        iters = self.yield_steps if self.yield_steps and self._prefill_waits() else None
+        budget = self.yield_steps if self.yield_steps and self._prefill_waits() else None  # None: steps_per_call
         t0 = time.perf_counter()
-        outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx, iters)
+        outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx, budget)
         seconds = time.perf_counter() - t0
         self.num_decode_calls += 1
         accept = [a for o in outs if o is not None for a in o.accept_lens]
