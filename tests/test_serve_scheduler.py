@@ -289,3 +289,34 @@ def test_one_iteration_calls_cross_a_history_bucket_exactly(tiny_dirs, monkeypat
     monkeypatch.setattr(Scheduler, "_history_need", lambda self, s: 0)
     with pytest.raises(RuntimeError, match="committed no token"):
         run()
+
+
+def _tree_shapes(inputs: dict) -> dict:
+    import jax
+
+    return jax.tree.map(lambda x: (x.shape, x.dtype), inputs)
+
+
+def test_multihost_templates_match_every_call_the_leader_makes(tiny_dirs, reference):
+    """A multi-host follower receives each call's inputs into `multihost.input_template` (a broadcast
+    needs the same tree on every process). Every prefill and decode call of a served run (packed
+    prefill, yielded decode calls) has exactly the template's keys, shapes and dtypes; the control, a
+    template missing the decode call's iteration budget (as a hand-kept template could), differs."""
+    from jaxspec.serve.multihost import input_template
+
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"serve.adaptive": False}), progress=False)
+    r, seen = server.runner, []
+    for name in ("run_prefill", "run_decode"):
+        def spy(key, x, run=getattr(r, name)):
+            seen.append((key, _tree_shapes(x)))
+            return run(key, x)
+        setattr(r, name, spy)
+    got, _ = run_all(server, PROMPTS, NEW)
+    assert got == reference
+    assert {key[0] for key, _ in seen} == {"prefill", "decode"}
+    for key, shapes in seen:
+        assert _tree_shapes(input_template(r, key)) == shapes, key
+    key, shapes = next((key, s) for key, s in seen if key[0] == "decode")
+    partial = {k: v for k, v in input_template(r, key).items() if k != "iter_budget"}
+    assert _tree_shapes(partial) != shapes

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec.engine.device_sampling import DeviceSampling
+from jaxspec.engine import host_io
 from jaxspec.engine.runner import ModelRunner
 
 _OPS = ("stop", "prefill", "decode")
@@ -38,19 +38,15 @@ def _header(key: tuple) -> np.ndarray:
 
 
 def input_template(runner: ModelRunner, key: tuple) -> dict:
-    """Zero host inputs of a bucket, shaped as `prefill_inputs` / `decode_inputs` build them."""
-    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+    """Host inputs of a bucket with every row padding: built by the runner's own packers, so a
+    follower's template has whatever inputs the leader's calls have (a broadcast needs both trees
+    alike; only shapes and dtypes matter)."""
     if key[0] == "prefill":
         _, b, c, ctx = key
-        return dict(slots=z(b), tokens=z(b, c), q_start=z(b), lens=z(b), table=z(b, runner.table_width(ctx)),
-                    sampling=DeviceSampling.pack([], b), history=z(b, runner.max_context), prompt_lens=z(b),
-                    resume=z(b, dtype=bool))
-    _, _, b, ctx = key
-    out = dict(table=z(b, runner.table_width(ctx)), history=z(b, ctx), hist_len=z(b), prompt_lens=z(b),
-               done=z(b, dtype=bool), slots=z(b), sampling=DeviceSampling.pack([], b))
-    if runner.steps_per_call:
-        out["iter_budget"] = z(b)
-    return out
+        return host_io.pack_prefill([None] * b, b=b, c=c, ctx=ctx, width=runner.table_width(ctx),
+                                    num_slots=runner.num_slots, max_context=runner.max_context, check=None)[1]
+    _, k, b, ctx = key
+    return runner.decode_inputs(k, [None] * b, ctx)[1]
 
 
 class LeaderRunner:
