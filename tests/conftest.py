@@ -11,7 +11,11 @@ import os
 
 import pytest
 
+from tests.xla_env import with_test_flags
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before any test starts a backend: XLA reads its flags once per process (tests/xla_env.py says why).
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def make_tiny_hf(kind: str, **overrides):

@@ -20,6 +20,7 @@ import json
 import pytest
 
 from jaxspec.bench import lower
+from tests.xla_env import subprocess_env
 
 NAMES = ["prefill", "decode_plain", "spec_ngram_chain", "spec_ngram_tree", "prefill_standalone",
          "spec_standalone_chain", "spec_standalone_tree", "spec_eagle_chain", "prefill_eagle3", "spec_eagle3_tree",
@@ -128,14 +129,12 @@ def test_bad_arguments(argv, message, capsys):
 def test_sharded_tpu_lowering_puts_kernels_under_shard_map(tmp_path):
     """--mesh 4x2 on 8 host devices: Mosaic calls cannot be auto-partitioned, so the tree-build and
     verify kernels must sit under shard_map (`sharding.shard_kernel_rows`) for the TPU lowering to succeed at all."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(root)}
+    env = subprocess_env(8, PYTHONPATH=str(root))
     env.pop("JAXSPEC_KERNELS", None)
     argv = ["--platform", "tpu", "--mesh", "4x2", "--dump", str(tmp_path), *ARGS]
     argv[argv.index("--batch") + 1] = "4"  # the batch "data" splits

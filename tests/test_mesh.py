@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 
 from jaxspec import mesh as shd
 from jaxspec.models.config import ModelConfig
+from tests.xla_env import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 MESHES = ("4x2", "2x4", "8x1")
@@ -31,8 +31,7 @@ MESHES = ("4x2", "2x4", "8x1")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh") / "report.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(8, PYTHONPATH=str(ROOT))
     env.pop("JAXSPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -141,7 +140,7 @@ def test_two_processes_share_one_mesh(report, tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(2)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxspec.generate", "--model", str(tmp_path / "tiny"),
          "--prompts", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / f"out{i}.jsonl"), "--quiet",

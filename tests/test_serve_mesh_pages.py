@@ -11,12 +11,13 @@ holds 1/data of the pages. The layout logic itself is checked here on one device
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.xla_env import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 MESHES = ("4x2", "2x4")
@@ -26,8 +27,7 @@ CASES = ("plain", "ngram", "preempt", "eagle3")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve_mesh") / "report.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(8, PYTHONPATH=str(ROOT))
     env.pop("JAXSPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "serve_mesh_worker.py"), str(out)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)

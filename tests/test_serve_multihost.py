@@ -7,7 +7,6 @@ Process 0 serves HTTP and schedules; process 1 replays its device calls
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.serve_util import SERVE_CFG, free_port, wait_until_healthy
+from tests.xla_env import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,8 +38,7 @@ def test_two_processes_serve_one_mesh(chat_model_dir):
     # the follower's calibration still replays the leader's calls).
     cfg = {**SERVE_CFG, "engine.max_batch_size": 2, "engine.batch_buckets": "2"}
     sets = [a for k, v in cfg.items() for a in ("--set", f"{k}={v}")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = subprocess_env(2, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxspec.serve", "--model", str(chat_model_dir), "--port", str(http_port),
          "--served-model-name", "tiny", "--mesh", "2x2", "--coordinator", f"localhost:{coord_port}",

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from tests.xla_env import subprocess_env
 
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import ConfigValueError, EngineSection
@@ -461,13 +462,12 @@ def test_export_round_trip(world, kind, tmp_path):
 def test_data_parallel_equals_one_device(tmp_path):
     """data_parallel = 4 on 4 host devices trains to the single-device weights (a subprocess: the
     host device count is fixed when JAX starts)."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(4)
     out = tmp_path / "dp.json"
     proc = subprocess.run([sys.executable, str(root / "tests" / "train_dp_worker.py"), str(out)], env=env,
                           cwd=root, capture_output=True, text=True, timeout=600)

@@ -1,0 +1,33 @@
+"""XLA flags for the test processes and for the subprocesses the tests start.
+
+The suite compiles thousands of small programs and runs most of them a few times, so XLA:CPU's LLVM
+optimisation passes are most of its time. At `--xla_backend_optimization_level=0` a tiny engine's
+compile-and-generate (plain and n-gram) took 12.6-14.0 s against 19.1-19.6 s at the default, and
+tests/test_smollm.py (the real model) 498 s against 626 s on a busy machine. Results do not change: fast-math is off at every level (no reassociation), and the matmuls are
+library calls whatever the level. The product keeps XLA's default; only tests set this.
+"""
+
+from __future__ import annotations
+
+import os
+
+TEST_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def with_test_flags(flags: str = "") -> str:
+    """`flags` (an XLA_FLAGS value) with the test flags added where the same flag is not set already."""
+    have = {f.split("=")[0] for f in flags.split()}
+    return " ".join([*flags.split(), *(f for f in TEST_FLAGS if f.split("=")[0] not in have)])
+
+
+def subprocess_env(host_devices: int | None = None, **extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess, with the test flags and, given `host_devices`,
+    that many CPU devices (XLA fixes the count when a process starts, hence a subprocess)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if host_devices is not None:
+        flags = " ".join([f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+                         + [f"--xla_force_host_platform_device_count={host_devices}"])
+    env = {**os.environ, **extra, "XLA_FLAGS": with_test_flags(flags)}
+    if host_devices is not None:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
