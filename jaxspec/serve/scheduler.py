@@ -264,18 +264,20 @@ class Scheduler:
                     self._finish(s, "abort")
                 self.waiting.clear()
 
+    def _reach(self, seq: Seq, now: int) -> int:
+        """`now` plus what the next decode call may commit, at most the request's last token."""
+        r = self.runner
+        return min(now + r.steps_per_call * (r.max_depth + 1), len(seq.prompt_ids) + seq.params.max_tokens)
+
     def _history_need(self, seq: Seq) -> int:
         """Tokens `seq`'s history may hold after the next decode call. One more than the cache slots
         without a reserve: the newest token has no K/V yet. A history bucket one short drops that
         token on the device, and with one iteration per call the row never advances."""
-        r = self.runner
-        return min(len(seq.tokens) + r.steps_per_call * (r.max_depth + 1), len(seq.prompt_ids) + seq.params.max_tokens)
+        return self._reach(seq, len(seq.tokens))
 
     def _lookahead(self, seq: Seq) -> int:
         """Cache slots `seq` may touch during the next decode call (scratch of the last tree included)."""
-        r = self.runner
-        cap = len(seq.prompt_ids) + seq.params.max_tokens + r.reserve
-        return min(max(len(seq.tokens), 1) - 1 + r.steps_per_call * (r.max_depth + 1) + r.reserve, cap)
+        return self._reach(seq, max(len(seq.tokens), 1) - 1) + self.runner.reserve
 
     # ---- pages and slots per data shard (one shard without split pages) -------------------
 
