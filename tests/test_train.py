@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from tests.xla_env import subprocess_env
 
 from jaxspec.cache.paged import KVCache
 from jaxspec.config import ConfigValueError, EngineSection
@@ -42,6 +41,7 @@ from jaxspec.train import losses as L
 from jaxspec.train import trainer as tr
 from jaxspec.train.export import export_head
 from tests.conftest import make_tiny_hf
+from tests.xla_env import subprocess_env
 
 LAYERS = (1, 2, 3)  # EAGLE-3 capture ("entering layer k") on the 4-layer target
 PROMPT, RESPONSE = 10, 30

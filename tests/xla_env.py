@@ -4,8 +4,9 @@ The suite compiles thousands of small programs and runs most of them a few times
 optimisation passes are most of its time. At `--xla_backend_optimization_level=0` a tiny engine's
 compile-and-generate (plain and n-gram) took 12.6-14.0 s against 19.1-19.6 s at the default;
 test_gguf_blocks' int8 case (the real model) 25 s against 79 s alone; tests/test_smollm.py 498 s
-against 626 s on a busy machine (2026-12-06). Results do not change: fast-math is off at every level (no reassociation), and the matmuls are
-library calls whatever the level. The product keeps XLA's default; only tests set this.
+against 626 s on a busy machine (2026-12-06). Results do not change: fast-math is off at every
+level (no reassociation), and the matmuls are library calls whatever the level. The product keeps
+XLA's default; only tests set this.
 """
 
 from __future__ import annotations
@@ -21,14 +22,10 @@ def with_test_flags(flags: str = "") -> str:
     return " ".join([*flags.split(), *(f for f in TEST_FLAGS if f.split("=")[0] not in have)])
 
 
-def subprocess_env(host_devices: int | None = None, **extra: str) -> dict[str, str]:
-    """This process's environment for a subprocess, with the test flags and, given `host_devices`,
-    that many CPU devices (XLA fixes the count when a process starts, hence a subprocess)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if host_devices is not None:
-        flags = " ".join([f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
-                         + [f"--xla_force_host_platform_device_count={host_devices}"])
-    env = {**os.environ, **extra, "XLA_FLAGS": with_test_flags(flags)}
-    if host_devices is not None:
-        env["JAX_PLATFORMS"] = "cpu"
-    return env
+def subprocess_env(host_devices: int, **extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess with `host_devices` CPU devices (XLA fixes the
+    count when a process starts, hence a subprocess), and the test flags."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={host_devices}")
+    return {**os.environ, **extra, "XLA_FLAGS": with_test_flags(" ".join(flags)), "JAX_PLATFORMS": "cpu"}
