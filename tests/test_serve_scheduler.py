@@ -258,6 +258,39 @@ def test_decode_calls_shorten_while_a_prefill_waits(tiny_dirs, reference, yield_
         assert all(budget == 3 for budget, _ in waited) and max(ran for _, ran in waited) > 1
 
 
+def test_only_a_request_admission_can_take_shortens_decode_calls(tiny_dirs, reference):
+    """serve.yield_steps under page pressure (24 pages cannot hold five 50-token rows): a waiting
+    request with a batch slot free but no pages cannot be admitted until rows finish or pages free,
+    so the running batch's calls stay full (3 iterations); one-iteration calls there only multiplied
+    the calls. Controls: such page-starved waits occur here (preemptions put rows back in the
+    queue), so the old slot-only rule would have shortened them; and a request that admission can
+    take does shorten them: the second sample of a prompt, held back until the first's prefill
+    publishes the shared pages, is admissible at the first's first decode call."""
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"serve.yield_steps": 1, "serve.adaptive": False, "engine.num_pages": 25,
+                                          "serve.prefill_piece": 0}), progress=False)
+    sched, r = server.scheduler, server.runner
+    run_decode, calls = r.run_decode, []
+
+    def decode(key, x):
+        slot_free = bool(sched.waiting) and sched.num_active < sched.max_batch_size
+        admissible = slot_free and sched._admission(sched.waiting[0])[1] is not None
+        calls.append((slot_free and not sched.prefilling, admissible, int(x["iter_budget"].max())))
+        return run_decode(key, x)
+
+    r.run_decode = decode
+    got, _ = run_all(server, [PROMPTS[0]] * 2, NEW)
+    assert got == [reference[0]] * 2
+    assert calls[0] == (True, True, 1)
+    calls.clear()
+    got, seqs = run_all(server, PROMPTS, NEW)
+    assert got == reference
+    assert sum(s.num_preemptions for s in seqs) > 0
+    starved = [budget for waits, admissible, budget in calls if waits and not admissible]
+    assert starved, "control: no call saw a request waiting for pages with a slot free"
+    assert all(budget == 3 for budget in starved)
+
+
 def test_one_iteration_calls_cross_a_history_bucket_exactly(tiny_dirs, monkeypatch):
     """steps_per_call = 1 without a drafter: a 60-token prompt reaches 64 tokens, the smallest
     history bucket's edge, where the cache needs 64 slots but the history 65 tokens. The call
