@@ -44,7 +44,8 @@ def input_template(runner: ModelRunner, key: tuple) -> dict:
     if key[0] == "prefill":
         _, b, c, ctx = key
         return host_io.pack_prefill([None] * b, b=b, c=c, ctx=ctx, width=runner.table_width(ctx),
-                                    num_slots=runner.num_slots, max_context=runner.max_context, check=None)[1]
+                                    num_slots=runner.num_slots, max_context=runner.max_context,
+                                    check=runner._check_shard)[1]
     _, k, b, ctx = key
     return runner.decode_inputs(k, [None] * b, ctx)[1]
 
