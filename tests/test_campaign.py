@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, init_head, plan_round, plot_curve
+from jaxspec.train.campaign import FIRST_UNUSED, _state, curve, heldout_points, init_head, log_trend, plan_round, plot_curve
 from jaxspec.train.campaign import eval_set as c_eval_set
 
 
@@ -40,6 +40,23 @@ def test_curve_and_plot(tmp_path):
     finally:
         c.HEAD = c_head
     assert out.stat().st_size > 1000
+
+
+def test_log_trend_recovers_a_line_in_log_tokens():
+    """A metric that gains exactly 0.025 per doubling from 0.40 at 1M tokens: the fit gives the slope
+    and reaches 0.6 at 2^8 M tokens (numpy's polyfit is the reference's arithmetic; the points are
+    exact). A falling metric never reaches a higher target (None), and one token count is refused."""
+    import pytest
+
+    pts = [(1e6 * 2 ** k, 0.40 + 0.025 * k) for k in (0, 0.5, 1.5, 2, 2.8)]
+    trend = log_trend(pts, 0.6)
+    assert abs(trend["per_doubling"] - 0.025) < 1e-9 and trend["points"] == 5
+    assert abs(trend["tokens_at_target"] / 256e6 - 1) < 1e-6
+    assert log_trend([(1e6, 0.5), (2e6, 0.4)], 0.6)["tokens_at_target"] is None
+    with pytest.raises(ValueError, match="two token counts"):
+        log_trend([(1e6, 0.5), (1e6, 0.6)], 0.6)
+    state = {"rounds": [_round(1, 0, 10, 1.0, 1.1, True), {"round": 2, "tokens_seen": 20}]}  # round 2: no held-out
+    assert heldout_points(state) == [(10, 0.4)] and heldout_points(state, 1) == [(10, 0.3)]
 
 
 def test_init_continues_an_unshipped_candidate(tmp_path):

@@ -1,7 +1,7 @@
 """`python -m jaxspec.train campaign`: one round of the EAGLE-3 training campaign.
 
     python -m jaxspec.train campaign [--drafter eagle3|frozen_kv] [--raw N] [--regen N] [--work DIR]   # one round
-    python -m jaxspec.train campaign plot [PNG [DRAFTER]]                  # τ against tokens seen
+    python -m jaxspec.train campaign plot [PNG [DRAFTER]]                  # τ, held-out top-1 against tokens
 
 A round survives fresh machines: everything it needs is in the shipped head's directory
 (`campaign.json`: the rounds so far, where the next round's conversations start, the command
@@ -290,17 +290,39 @@ def curve(state: dict) -> list[dict]:
     return points
 
 
+def log_trend(points: list[tuple[float, float]], target: float) -> dict:
+    """Least-squares line of a metric against log2(training tokens) over (tokens, value) points: its
+    gain per doubling of the tokens, and the tokens at which the line reaches `target` (None when it
+    does not rise). An extrapolation of the measured curve, to size what a target would take."""
+    import numpy as np
+
+    if len({t for t, _ in points}) < 2:
+        raise ValueError(f"a trend needs points at two token counts or more, got {len(points)}")
+    x, y = np.log2([t for t, _ in points]), np.array([v for _, v in points], float)
+    slope, intercept = np.polyfit(x, y, 1)
+    reach = float(2.0 ** ((target - intercept) / slope)) if slope > 0 else None
+    return {"per_doubling": float(slope), "tokens_at_target": reach, "points": len(points)}
+
+
+def heldout_points(state: dict, step: int = 0) -> list[tuple[float, float]]:
+    """(tokens seen, held-out top-1 at TTT `step`) of every round's candidate."""
+    return [(r["tokens_seen"], r["heldout_last"]["heldout_acc"][step]) for r in state["rounds"]
+            if len((r.get("heldout_last") or {}).get("heldout_acc") or []) > step]
+
+
 def plot_curve(head: Path, out: Path) -> Path:
-    """τ (MT-Bench, chain of 3) against training tokens seen, log axis: docs/img."""
+    """Left: τ (MT-Bench, chain of 3) against training tokens seen; right: held-out top-1 per TTT
+    step, with the step-0 trend's extrapolation to the issue's 0.6. Log token axes: docs/img."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = curve(_state(head))
+    state = _state(head)
+    pts = curve(state)
     if not pts:
         raise RuntimeError(f"{head / 'campaign.json'}: no rounds yet")
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     sets = list(dict.fromkeys(p["eval_set"] for p in pts))
     for i, where in enumerate(sets):  # one line per prompt set: τ across sets is not comparable
         shipped = [p for p in pts if p["shipped"] and p["eval_set"] == where]
@@ -317,6 +339,26 @@ def plot_curve(head: Path, out: Path) -> Path:
     ax.set_ylabel("MT-Bench τ (chain of 3, greedy)")
     ax.set_title(f"{head.name} (CPU campaign)")
     ax.grid(alpha=0.3)
+    # Every round's candidate (rounds from an unshipped candidate included), sorted by tokens.
+    for step in range(max(len((r.get("heldout_last") or {}).get("heldout_acc") or []) for r in state["rounds"])):
+        held = sorted(heldout_points(state, step))
+        ax2.plot([t for t, _ in held], [a for _, a in held], "-o", ms=3, lw=1, color=f"C{step}",
+                 label=f"TTT step {step}")
+    ax2.axhline(0.6, ls="--", color="C2", lw=1)
+    held = heldout_points(state)
+    if len({t for t, _ in held}) > 1:
+        trend = log_trend(held, 0.6)
+        reach = trend["tokens_at_target"]
+        ax2.text(min(t for t, _ in held), 0.607, "issue target: step 0 top-1 0.6" + (
+            f"; the step-0 line reaches it at ~{reach / 1e6:,.0f}M tokens" if reach else ""), color="C2", fontsize=8)
+        ax2.text(min(t for t, _ in held), 0.265, f"step 0: {trend['per_doubling']:+.3f} per doubling of the tokens",
+                 fontsize=8)
+    ax2.set_ylim(0.25, 0.65)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("training tokens seen by the head")
+    ax2.set_ylabel("held-out top-1 (2% ShareGPT split)")
+    ax2.legend(fontsize=7, loc="lower right")
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
