@@ -147,6 +147,33 @@ def test_replay_equals_the_engines_accept_lengths(tiny_dirs, shape):
     assert drafted > 0  # the prompts do exercise drafts, not only empty steps
 
 
+def test_release_frees_the_engines_a_bench_section_no_longer_needs(tiny_dirs):
+    """bench spec releases its engines between sections (nine live engines ran out of
+    vm.max_map_count): every engine not kept is garbage afterwards, and the kept one still decodes
+    the same tokens after its compiled programs were dropped."""
+    import gc
+    import weakref
+
+    from jaxspec.bench.spec import Processed, engine_for, release
+    from jaxspec.engine import Request
+    from jaxspec.models.loading import load_model
+    from jaxspec.sampling_params import SamplingParams
+
+    model = load_model(str(tiny_dirs["llama"][0]), progress=False)
+    engines = {"jaxspec plain": engine_for(model, None),
+               "ngram": engine_for(model, dict(algorithm="ngram", topk=1, num_steps=3, num_draft_tokens=4))}
+    engines["ngram twin"] = Processed(engines["ngram"], temperature=0.0)
+    req = [Request([5, 17, 33, 9, 5, 17], SamplingParams(max_tokens=12))]
+    before = engines["jaxspec plain"].generate(req)[0].output_ids
+    engines["ngram"].generate(req)
+    gone = weakref.ref(engines["ngram"])
+    gc.collect()
+    assert gone() is not None  # positive control: compiled and in use, it is alive before the release
+    release(engines, keep={"jaxspec plain"})
+    assert list(engines) == ["jaxspec plain"] and gone() is None
+    assert engines["jaxspec plain"].generate(req)[0].output_ids == before
+
+
 def test_mtbench_questions_spread_over_the_categories():
     """The file is sorted by category (its first ten are all writing); any n takes them round-robin,
     and n = 80 is the whole set, each question once."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -299,6 +300,19 @@ def parse_sampled(text: str) -> dict:
     return dict(temperature=t, top_p=top_p)
 
 
+def release(engines: dict, keep: set = frozenset()) -> None:
+    """Drop every engine in `engines` not named in `keep`, and every compiled program.
+
+    Each engine holds its compiled XLA programs, and their code pages count against the kernel's
+    vm.max_map_count (65,530 here): a full run kept nine engines alive and the sampled section died
+    with MapLimitError. Sections after the main table therefore start from a released process; an
+    engine kept recompiles on its next call (every timed section warms up first)."""
+    for name in [n for n in engines if n not in keep]:
+        del engines[name]
+    gc.collect()
+    jax.clear_caches()
+
+
 def sampled_methods(model, methods: dict, fields: dict) -> dict:
     """--sampled: plain and each shipped EAGLE-3 / FROZEN_KV_MTP / Medusa chain and tree on sampled rows under rejection
     verify, every tree twice (issue 30): the sampled multi-draft tree and the one-hot top-k tree."""
@@ -459,9 +473,10 @@ def main(argv=None) -> int:
 
     rows, accept_rows, copy_rates = [], [], {"plain": [], "ngram": []}
     for set_name, prompts in sets.items():
-        chosen = {name: eng for name, eng in engines.items()
-                  if set_name == "MT-Bench" or not name.startswith("jaxspec truncated")}
-        measured = run_interleaved(chosen, prompts, new, args.reps)
+        # No engine is held past this call but through `engines`, so `release` below frees them all.
+        measured = run_interleaved({name: eng for name, eng in engines.items()
+                                    if set_name == "MT-Bench" or not name.startswith("jaxspec truncated")},
+                                   prompts, new, args.reps)
         for name, m in measured.items():
             if m.lens:
                 accept_rows.append([set_name, name, m.tau, *acceptance_by_position(m.lens, 7)])
@@ -502,6 +517,13 @@ def main(argv=None) -> int:
         print_table(["prompts", "method", "tau", *[f"pos {i}" for i in range(1, 8)]], accept_rows)
 
     heads = [k for k in methods if "shipped head" in k]
+    if heads and "MT-Bench" in sets:
+        prompt = sets["MT-Bench"][0]
+        print("\ndraft / verify split (one MT-Bench prompt, the phases jitted apart; fractions of the step):")
+        print_table(["method", "draft", "verify", "other"], [[k, *phase_split(engines[k], prompt, new)] for k in heads])
+    sweep = not args.no_sweep and "MT-Bench" in sets
+    release(engines, keep={"jaxspec plain"} if sweep else set())
+
     if args.batch > 1 and heads and "MT-Bench" in sets:
         prompts = sets["MT-Bench"]
         if len(prompts) < args.batch:
@@ -514,6 +536,7 @@ def main(argv=None) -> int:
               "whole batches, median")
         print_table(["method", "tok/s", "vs jaxspec plain"], [[k, median(v), median(v) / base]
                                                               for k, v in batched.items()])
+        release({})
 
     if sampled and heads and "MT-Bench" in sets:
         measured = run_interleaved(sampled_methods(model, {k: methods[k] for k in heads}, sampled), sets["MT-Bench"],
@@ -522,6 +545,7 @@ def main(argv=None) -> int:
         print(f"\nsampled rows ({args.sampled}), MT-Bench, batch 1, seeded; vs plain at the same parameters:")
         print_table(["method", "tau", "tok/s", "vs plain (median)", "vs plain (aggregate)"],
                     [[k, m.tau, median(m.rates), *speedups(m.rates, base)] for k, m in measured.items()])
+        release({})
 
     if args.penalties:
         print("\nthe verify step's processors alone (penalize_tree, 1,024-token history, median ms):")
@@ -529,11 +553,6 @@ def main(argv=None) -> int:
     if args.logprobs:
         print("\na verify step's logprob entries alone (path_entries, top 20 kept, median ms):")
         print_table(["B", "D+1", "ms, no row asks", "ms, every row asks"], logprob_cost(model.config.vocab_size))
-
-    if heads and "MT-Bench" in sets:
-        prompt = sets["MT-Bench"][0]
-        print("\ndraft / verify split (one MT-Bench prompt, the phases jitted apart; fractions of the step):")
-        print_table(["method", "draft", "verify", "other"], [[k, *phase_split(engines[k], prompt, new)] for k in heads])
 
     if not args.no_verify_cost:
         # The engine's native CPU kernels beside XLA's own ops, to show what the kernels buy.
@@ -543,17 +562,17 @@ def main(argv=None) -> int:
         print_table(["T", "ms", "vs T=1", "ms (XLA ops)", "vs T=1 (XLA ops)"],
                     [[t, ms, ms / cost[1], xla[t], xla[t] / xla[1]] for t, ms in cost.items()])
 
-    if not args.no_sweep and "MT-Bench" in sets:
+    if sweep:
         prompts = sets["MT-Bench"][:1]
         base = median(run_engine(engines["jaxspec plain"], prompts, new)[0])
-        sweep = []
+        sweep_rows = []
         for L in range(1, 9):
             kw = dict(algorithm="ngram", topk=1, num_steps=8, num_draft_tokens=9, simulate_accept_length=L)
             rates, lens = run_engine(engine_for(model, kw), prompts, new)
             tps, tau = median(rates), float(np.mean(lens))
-            sweep.append([L, tau, tps, tps / base, tps / roofline])
+            sweep_rows.append([L, tau, tps, tps / base, tps / roofline])
         print("\nsynthetic acceptance sweep (n-gram chain of 8, acceptance forced to L; output NOT exact):")
-        print_table(["L", "tau", "tok/s", "vs jaxspec plain", "of roofline"], sweep)
+        print_table(["L", "tau", "tok/s", "vs jaxspec plain", "of roofline"], sweep_rows)
         print("\nDFLASH block of 16, acceptance forced (one draft forward per block; output NOT exact):")
         print_table(["forced", "tau", "tok/s", "vs jaxspec plain", "of roofline"],
                     block_ceiling(model, prompts, new, base, roofline))
