@@ -106,6 +106,14 @@ def test_prefill_bench_flags_are_checked_before_the_model_loads(argv, match):
     assert parse_shapes("1x32@0, 2x256@1200") == [(1, 32, 0), (2, 256, 1200)]
 
 
+@pytest.mark.parametrize("argv", [["--batch", "1"], ["--reps", "0"], ["--max-tokens", "0"]])
+def test_shared_prefix_bench_flags_are_checked_before_the_model_loads(argv):
+    from jaxspec.bench.shared_prefix import main
+
+    with pytest.raises(SystemExit, match="--batch must be >= 2"):
+        main(argv)
+
+
 def test_heldout_prompts_come_from_the_split_training_never_sees():
     from jaxspec.train.sharegpt import sharegpt_conversations, sharegpt_heldout_prompts
 

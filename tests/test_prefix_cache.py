@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxspec.cache.paged import OutOfPagesError
-from jaxspec.cache.prefix import PrefixCachingAllocator, page_keys, root_key
+from jaxspec.cache.prefix import PrefixCachingAllocator, page_keys, root_key, shared_in_batch
 from jaxspec.config import EngineSection, SpecSection
-from jaxspec.engine import Engine, Request
+from jaxspec.engine import Engine, Request, offline
 from jaxspec.engine.runner import ModelRunner, RowInput
 from jaxspec.models.loading import load_model
 from jaxspec.sampling_params import SamplingParams
@@ -106,6 +106,27 @@ def test_drop_cached_forgets_every_page_and_frees_a_shared_one_once():
     a.free("y")
     a.check()  # each shared page back on the free list once (twice would hand it to two sequences)
     assert a.num_free == 7 and a.num_cached == 0 and len(set(a._free)) == len(a._free)
+
+
+def test_rows_of_a_batch_follow_the_row_whose_prefill_publishes_their_prefix():
+    """shared_in_batch: a row sharing full pages (and their lookahead token) with an earlier row of
+    its pool follows it; a row sharing only part of a page, a row on another pool, a prefix the cache
+    already holds and a disabled cache give no follower."""
+    a = [5, 9, 17, 33, 2, 7, 11, 13, 21, 3, 8]
+    b = a[:9] + [40, 41, 42]  # pages 0-1 and page 1's lookahead token (21): 2 pages
+    c = a[:4] + [50, 51, 52]  # page 0 but not its lookahead token (2): nothing
+    pool = PrefixCachingAllocator(32, PAGE, namespace="m")
+    assert shared_in_batch([a, b, c], [pool] * 3) == ([1], 8)
+    assert shared_in_batch([a, c], [pool] * 2) == ([], 0)
+    assert shared_in_batch([b, a], [pool] * 2) == ([1], 8)  # order decides who leads
+    other = PrefixCachingAllocator(32, PAGE, namespace="m")
+    assert shared_in_batch([a, b], [pool, other]) == ([], 0)  # pools (data shards) share nothing
+    pool.adopt("x", a, len(a) - 1)
+    pool.allocate("x", len(a))
+    pool.cache_pages("x", a, len(a))
+    assert shared_in_batch([a, b], [pool] * 2) == ([], 0)  # the cache already serves b's pages
+    off = PrefixCachingAllocator(32, PAGE, namespace="m", enabled=False)
+    assert shared_in_batch([a, b], [off] * 2) == ([], 0)
 
 
 def test_disabled_cache_is_a_plain_allocator():
@@ -252,7 +273,7 @@ def _turns(engine, system, messages, params_of):
 
 
 @pytest.mark.parametrize("alg", list(SPECS))
-def test_multi_turn_equals_cache_off(world, alg):
+def test_multi_turn_equals_cache_off(world, alg, monkeypatch):
     model, path, heads = world
     spec = SPECS[alg](heads)
     if spec == "standalone":
@@ -266,12 +287,28 @@ def test_multi_turn_equals_cache_off(world, alg):
     # Sampled rows (plain and a sampled verify): the same seeds give the same tokens.
     sampled = lambda i: SamplingParams(max_tokens=9, temperature=0.9, top_p=0.95)  # noqa: E731
     sampling = alg in ("plain", "eagle3")
+    monkeypatch.setattr(offline, "SHARE_MIN_TOKENS", PAGE)  # the tiny prompts save 12 tokens, not 64
+    shared = [88, 87, 86, 85, 84, 83, 82, 81, 80, 79, 78, 77, 76]
+    batch = [Request(shared + tail, SamplingParams(max_tokens=9)) for tail in ([60, 61], [70, 71, 72])]
     on = _turns(engine, system, messages, greedy)
     on_sampled = _turns(engine, system + [99], messages[:2], sampled) if sampling else []
+    # The batch's second call resumes after a hit like a later call's; these three cover no drafter
+    # state, paired (feature, token) K/V and a per-slot pending feature.
+    in_batch = alg in ("plain", "eagle3", "medusa")
+    batch_on = engine.generate(batch) if in_batch else []
+    engine.runner.allocator.check()
     engine.runner.allocator.enabled = False
     off = _turns(engine, system, messages, greedy)
     off_sampled = _turns(engine, system + [99], messages[:2], sampled) if sampling else []
+    batch_off = engine.generate(batch) if in_batch else []
     assert [r.output_ids for r in on_sampled] == [r.output_ids for r in off_sampled]
+    # Two prompts of one batch sharing 3 pages the cache lacks: the second follows the first's
+    # prefill and reuses its pages (12 tokens), with the same tokens and drafts as the cache off.
+    if in_batch:
+        assert [r.num_cached_tokens for r in batch_on] == [0, 12]
+        assert [r.num_cached_tokens for r in batch_off] == [0, 0]
+    assert [r.output_ids for r in batch_on] == [r.output_ids for r in batch_off]
+    assert [r.accept_lengths for r in batch_on] == [r.accept_lengths for r in batch_off]
     assert all(r.num_cached_tokens > 0 for r in on_sampled[1:])
     assert [r.output_ids for r in on] == [r.output_ids for r in off]
     assert [r.accept_lengths for r in on] == [r.accept_lengths for r in off]  # same drafts: same drafter state

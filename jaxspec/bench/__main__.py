@@ -1,4 +1,4 @@
-"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve,lower,ablate,sps,train,lmeval,adaptive,prefill} ...`: benchmarks that print ratios measured side by side."""
+"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve,lower,ablate,sps,train,lmeval,adaptive,prefill,shared} ...`: benchmarks that print ratios measured side by side."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu":
           "heads": "jaxspec.bench.heads", "lower": "jaxspec.bench.lower",
           "ablate": "jaxspec.bench.ablate", "sps": "jaxspec.bench.sps", "train": "jaxspec.bench.train",
           "lmeval": "jaxspec.bench.lmeval", "adaptive": "jaxspec.bench.adaptive",
-          "prefill": "jaxspec.bench.prefill"}
+          "prefill": "jaxspec.bench.prefill", "shared": "jaxspec.bench.shared_prefix"}
 
 
 def main(argv=None) -> int:

@@ -54,6 +54,32 @@ def page_keys(tokens: Sequence[int], page_size: int, root: bytes, limit: int | N
     return keys
 
 
+def shared_in_batch(prompts: Sequence[Sequence[int]], pools: Sequence["PrefixCachingAllocator"]) -> tuple[list[int], int]:
+    """Rows of one batch to prefill after the others: each shares full pages with an earlier row's
+    prompt (same pool) that the cache does not hold yet. Returns (those rows, the prompt tokens they
+    would not recompute if the other rows were prefilled and published first).
+
+    pools: the pool each row's pages come from (its data shard's). A row that gains nothing from an
+    earlier one is a leader: its prompt's keys become available to the rows after it. One level
+    only: a follower's own pages are published after its call, too late for the others of the batch."""
+    followers, saved = [], 0
+    published: dict[int, set] = {}  # id(pool) -> keys the leaders' prefills will publish
+    for i, (tokens, pool) in enumerate(zip(prompts, pools)):
+        if not pool.enabled:
+            continue
+        keys = page_keys(tokens, pool.page_size, pool.root, len(tokens) - 1)
+        now = pool.match(tokens, len(tokens) - 1) // pool.page_size
+        mine, after = published.setdefault(id(pool), set()), now
+        while after < len(keys) and (keys[after] in mine or keys[after] in pool._page_of):
+            after += 1
+        if after > now:
+            followers.append(i)
+            saved += (after - now) * pool.page_size
+        else:
+            mine.update(keys)
+    return followers, saved
+
+
 class PrefixCachingAllocator(PageAllocator):
     """A `PageAllocator` whose full pages outlive their sequence, shared by content.
 

@@ -3,7 +3,8 @@
 `Engine` is a thin loop over the one executor (`jaxspec.engine.runner.ModelRunner`),
 the same one the server's scheduler drives. Per batch it allocates every row's pages
 for its whole budget (after the longest cached prefix of its prompt, `cache.prefix`),
-prefills the rest of the prompts, and runs one decode call until every row is done:
+prefills the rest of the prompts (rows that share a prefix the cache lacks in a second
+call, after the first published it), and runs one decode call until every row is done:
 many draft -> verify -> commit iterations (or plain steps, the k = 0 plan) as one XLA
 program, the paged caches donated to it. Buckets are (batch, prompt length,
 context); an already-compiled bucket never retraces.
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxspec.cache.prefix import shared_in_batch
 from jaxspec.config import EngineSection
 from jaxspec.engine.checks import check_request
 from jaxspec.engine.phases import decode_phases
@@ -24,6 +26,10 @@ from jaxspec.engine.types import Request, RequestError, Result, RowInput, TokenS
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.speculative.drafters import algorithm_info
 from jaxspec.speculative.drafters.plain import PlainDrafter
+
+# Rows of a batch that share a prefix are prefilled in a second call when that saves at least this
+# many prompt tokens: a call's fixed cost (its weight reads) is ~32 tokens of prefill on 2 CPU cores.
+SHARE_MIN_TOKENS = 64
 
 
 class Engine:
@@ -175,31 +181,44 @@ class Engine:
         per_shard = b // self.num_shards
         seq_ids = [object() for _ in reqs]
         try:
-            # 1. Pages for the whole budget up front: the loop never needs the host. Split pages:
-            # row i runs on data shard i // per_shard, with pages from its pool and a local slot.
+            # 1. The waves: one prefill call, or two when rows share a prefix the cache lacks (the
+            # chat template's system prompt): the later rows then adopt what the first call published.
+            pools = r.allocator.pools if self.split_pages else [r.allocator]
+            followers, saved = shared_in_batch([q.prompt_ids for q in reqs],
+                                               [pools[i // per_shard if self.split_pages else 0] for i in range(len(reqs))])
+            if saved < SHARE_MIN_TOKENS:
+                followers = []
+            waves = [[i for i in range(len(reqs)) if i not in followers], followers] if followers else [range(len(reqs))]
             rows: list[RowInput | None] = [None] * b
-            for i, (q, sid) in enumerate(zip(reqs, seq_ids)):
-                shard = () if not self.split_pages else (i // per_shard,)
-                hit = r.allocator.adopt(sid, q.prompt_ids, len(q.prompt_ids) - 1, *shard)
-                r.allocator.allocate(sid, len(q.prompt_ids) + q.params.max_tokens + self.reserve_tokens, *shard)
-                rows[i] = RowInput(
-                    tokens=list(q.prompt_ids), prompt_len=len(q.prompt_ids),
-                    page_row=np.asarray(r.allocator.page_table_row(sid, r.max_pages)),
-                    slot=i % per_shard if self.split_pages else i, params=q.params, seed=q.seed,
-                    stop_ids=tuple(q.stop_token_ids), shard=shard[0] if shard else None, cached=hit,
-                    grammar=q.grammar)
-            # 2. Prefill what the cache did not hold (one chunk per row), its sampled token first.
+            first, first_lp = [None] * b, [None] * b
             t0 = time.perf_counter()
-            first, first_lp = r.prefill_scored([row and (row, row.cached, row.prompt_len - row.cached) for row in rows])
+            for wave in waves:
+                # 2. Pages for the whole budget up front: the loop never needs the host. Split pages:
+                # row i runs on data shard i // per_shard, with pages from its pool and a local slot.
+                for i in wave:
+                    q, sid = reqs[i], seq_ids[i]
+                    shard = () if not self.split_pages else (i // per_shard,)
+                    hit = r.allocator.adopt(sid, q.prompt_ids, len(q.prompt_ids) - 1, *shard)
+                    r.allocator.allocate(sid, len(q.prompt_ids) + q.params.max_tokens + self.reserve_tokens, *shard)
+                    rows[i] = RowInput(
+                        tokens=list(q.prompt_ids), prompt_len=len(q.prompt_ids),
+                        page_row=np.asarray(r.allocator.page_table_row(sid, r.max_pages)),
+                        slot=i % per_shard if self.split_pages else i, params=q.params, seed=q.seed,
+                        stop_ids=tuple(q.stop_token_ids), shard=shard[0] if shard else None, cached=hit,
+                        grammar=q.grammar)
+                # 3. Prefill what the cache did not hold (one chunk per row), its sampled token first.
+                got, got_lp = r.prefill_scored([(rows[i], rows[i].cached, rows[i].prompt_len - rows[i].cached)
+                                                if i in wave else None for i in range(b)])
+                for i in wave:
+                    first[i], first_lp[i] = got[i], got_lp[i]
+                    r.allocator.cache_pages(seq_ids[i], rows[i].tokens, rows[i].prompt_len)
             t1 = time.perf_counter()
-            for sid, row in zip(seq_ids, rows):
-                r.allocator.cache_pages(sid, row.tokens, row.prompt_len)
             live = [None] * b
             for i, (q, row) in enumerate(zip(reqs, rows)):
                 row.tokens.append(first[i])
                 if first[i] not in q.stop_token_ids and q.params.max_tokens > 1:
                     live[i] = row
-            # 3. One decode call until every row is done.
+            # 4. One decode call until every row is done.
             outs, iters = ([None] * b, 0)
             if any(live):
                 outs, iters = r.decode(k, live, ctx) if timer is None else decode_phases(r, k, live, ctx, timer)
