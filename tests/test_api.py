@@ -73,6 +73,19 @@ def test_greedy_equals_the_cli_and_hf(tiny, plain, tmp_path, capsys):
     assert plain.generate(np.array(PROMPTS[0]), GREEDY)[0].token_ids == outs[0].token_ids
 
 
+def test_prompts_of_one_call_share_their_prefix_and_equal_hf(tiny, plain):
+    """Three prompts of one call behind a 70-token prefix no call has seen: the first prefills it,
+    the other two adopt its 4 full pages (64 tokens) in a second prefill call; every output is
+    Hugging Face's greedy continuation."""
+    _, hf, _ = tiny
+    shared = list(range(2, 72))
+    prompts = [shared + tail for tail in ([90, 91], [92], [93, 94, 95])]
+    outs = plain.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64]
+    for p, o in zip(prompts, outs):
+        assert_greedy_equal(hf, p, o.token_ids, hf_greedy(hf, p, 12))
+
+
 def test_ngram_greedy_equals_plain_and_keeps_the_speculative_record(plain, ngram):
     want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     ngram.reset_stats()
