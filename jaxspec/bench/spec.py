@@ -301,12 +301,13 @@ def parse_sampled(text: str) -> dict:
 
 
 def release(engines: dict, keep: set = frozenset()) -> None:
-    """Drop every engine in `engines` not named in `keep`, and every compiled program.
+    """Drop every engine in `engines` not named in `keep`, with the programs only they held.
 
     Each engine holds its compiled XLA programs, and their code pages count against the kernel's
     vm.max_map_count (65,530 here): a full run kept nine engines alive and the sampled section died
-    with MapLimitError. Sections after the main table therefore start from a released process; an
-    engine kept recompiles on its next call (every timed section warms up first)."""
+    with MapLimitError. Sections after the main table therefore start from a released process.
+    `jax.clear_caches` drops the jit caches too (helpers traced for a released engine); an engine
+    kept retraces what it needs of them (every timed section warms up first)."""
     for name in [n for n in engines if n not in keep]:
         del engines[name]
     gc.collect()
