@@ -27,11 +27,12 @@ CHAT_PROMPTS = [
 ]
 
 
-def chat_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+def chat_ids(tokenizer, texts: Sequence[str], system: str | None = None) -> list[list[int]]:
     out = []
+    head = [{"role": "system", "content": system}] if system is not None else []
     for text in texts:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            head + [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxspec.bench.common import median, print_table
+from jaxspec.bench.common import chat_ids, median, print_table
 
 
 def main(argv=None) -> int:
@@ -39,12 +39,7 @@ def main(argv=None) -> int:
     from jaxspec.sampling_params import SamplingParams
 
     model = load_model("default", progress=False)
-    prompts = []
-    for q in mtbench_questions(args.batch):
-        ids = model.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                                   {"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = chat_ids(model.tokenizer, mtbench_questions(args.batch), system=SYSTEM_PROMPT)
     ecfg = EngineSection(max_batch_size=args.batch, max_context=1024, length_buckets=(128, 256, 512, 1024),
                          batch_buckets=(args.batch,))
     engine = Engine(model.params, model.config, ecfg, progress=False, benchmark=True)

@@ -68,9 +68,10 @@ def shared_in_batch(prompts: Sequence[Sequence[int]], pools: Sequence["PrefixCac
         if not pool.enabled:
             continue
         keys = page_keys(tokens, pool.page_size, pool.root, len(tokens) - 1)
-        now = pool.match(tokens, len(tokens) - 1) // pool.page_size
-        mine, after = published.setdefault(id(pool), set()), now
-        while after < len(keys) and (keys[after] in mine or keys[after] in pool._page_of):
+        held, mine = pool._page_of, published.setdefault(id(pool), set())
+        now = next((p for p, key in enumerate(keys) if key not in held), len(keys))  # `match`, keys hashed once
+        after = now
+        while after < len(keys) and (keys[after] in mine or keys[after] in held):
             after += 1
         if after > now:
             followers.append(i)
