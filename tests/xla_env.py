@@ -7,6 +7,14 @@ test_gguf_blocks' int8 case (the real model) 25 s against 79 s alone; tests/test
 against 626 s on a busy machine (2026-12-06). Results do not change: fast-math is off at every
 level (no reassociation), and the matmuls are library calls whatever the level. The product keeps
 XLA's default; only tests set this.
+
+Tried and dropped (2026-12-07): `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's older elemental
+emitter) cut backend compile time ~30% on tiny-model files (tests/test_spec_loop.py's standalone
+rows: 25-28 s against 36-46 s), but the whole suite on 2 cores ran 2,029 s against 1,597 s: the
+real model's tests run its slower code (tests/test_smollm.py 343 against 219 s of test time,
+tests/test_gguf_blocks.py 146 against 52). A shared persistent compilation cache for the run was
+slower too (duplicate programs across files are few; writing every entry cost more than the hits
+saved).
 """
 
 from __future__ import annotations
