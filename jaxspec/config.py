@@ -179,6 +179,11 @@ class ServeSection:
     # iteration later instead of steps_per_call iterations later. A runtime input of the same
     # programs (no compile). 0 = always steps_per_call.
     yield_steps: int = 1
+    # Seconds after a decode call ends requests during which the next calls also run only `yield_steps`
+    # iterations, until as many new requests have arrived: a client at a fixed concurrency (a chat
+    # agent's next turn, a benchmark's next request) sends its next request as soon as an answer ends,
+    # a few ms into the next call, and would wait out all `steps_per_call`. 0 = off.
+    follow_up_window: float = 0.25
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard
@@ -244,6 +249,7 @@ class Config:
             (0 <= self.serve.prefill_piece <= self.serve.prefill_tokens,
              "serve.prefill_piece must be 0 (off) or between 1 and serve.prefill_tokens"),
             (self.serve.prefill_calls_per_step >= 1, "serve.prefill_calls_per_step must be >= 1"),
+            (self.serve.follow_up_window >= 0, "serve.follow_up_window must be >= 0 seconds (0 = off)"),
             (0 <= self.serve.yield_steps <= self.serve.steps_per_call,
              "serve.yield_steps must be between 0 (off) and serve.steps_per_call"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,

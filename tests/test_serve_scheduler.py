@@ -234,7 +234,8 @@ def test_decode_calls_shorten_while_a_prefill_waits(tiny_dirs, reference, yield_
     # One 16-token row per sequence and call: the 22-token prompt needs two calls, the 10-token one
     # arrives once the first two decode.
     server = build_server(config(path, **{"serve.yield_steps": yield_steps, "serve.adaptive": False,
-                                          "serve.prefill_piece": 0, "serve.max_prefill_batch": 1}), progress=False)
+                                          "serve.prefill_piece": 0, "serve.max_prefill_batch": 1,
+                                          "serve.follow_up_window": 0}), progress=False)
     sched, r = server.scheduler, server.runner
     assert sched.yield_steps == yield_steps
     run_decode, calls = r.run_decode, []
@@ -268,7 +269,7 @@ def test_only_a_request_admission_can_take_shortens_decode_calls(tiny_dirs, refe
     publishes the shared pages, is admissible at the first's first decode call."""
     path, _ = tiny_dirs["llama"]
     server = build_server(config(path, **{"serve.yield_steps": 1, "serve.adaptive": False, "engine.num_pages": 25,
-                                          "serve.prefill_piece": 0}), progress=False)
+                                          "serve.prefill_piece": 0, "serve.follow_up_window": 0}), progress=False)
     sched, r = server.scheduler, server.runner
     run_decode, calls = r.run_decode, []
 
@@ -289,6 +290,68 @@ def test_only_a_request_admission_can_take_shortens_decode_calls(tiny_dirs, refe
     starved = [budget for waits, admissible, budget in calls if waits and not admissible]
     assert starved, "control: no call saw a request waiting for pages with a slot free"
     assert all(budget == 3 for budget in starved)
+
+
+@pytest.mark.parametrize("window", [60.0, 0.0], ids=["window", "control-off"])
+def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, reference, window):
+    """serve.follow_up_window: after decode calls end requests, the next calls run yield_steps (1)
+    iterations until as many new requests have arrived (a client at a fixed concurrency sends its
+    next one at once), then full calls again (3). Here two short requests end beside a long one;
+    one follow-up arrives two calls later, the other never, so calls stay short until the window
+    closes (60 s, so wall time cannot close it early; the test then closes it and waits it out).
+    Control: window 0 runs full calls after the ends. Output is exact throughout."""
+    import time
+
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"serve.yield_steps": 1, "serve.adaptive": False, "spec.algorithm": "none",
+                                          "serve.follow_up_window": window}), progress=False)
+    sched, r = server.scheduler, server.runner
+    run_decode, budgets = r.run_decode, []
+
+    def decode(key, x):
+        budgets.append(int(x["iter_budget"].max()))
+        return run_decode(key, x)
+
+    r.run_decode = decode
+    got = {}
+
+    def submit(i, new):
+        seq = Seq(list(PROMPTS[i]), SamplingParams(max_tokens=new), lambda e: got.setdefault(i, []).extend(e.token_ids))
+        sched.submit(seq)
+        return seq
+
+    def step_until(cond):
+        for _ in range(200):
+            if cond():
+                return
+            sched.step()
+        raise AssertionError("the scheduler did not get there")
+
+    # 1. Two 7-token requests end; the 40-token one runs on.
+    long = submit(1, NEW)
+    a, b = submit(0, 7), submit(3, 7)
+    step_until(lambda: a.status == b.status == Status.FINISHED)
+    assert long.status == Status.RUNNING
+    # 2. Two calls with both follow-ups outstanding, then one arrives.
+    budgets.clear()
+    sched.step(), sched.step()
+    assert budgets == [1 if window else 3] * 2
+    d = submit(4, 4)
+    step_until(lambda: d.status == Status.FINISHED)
+    assert long.status == Status.RUNNING
+    # 3. b's follow-up and d's are outstanding: short calls until the window closes.
+    assert sched._expected == (2 if window else 0)
+    budgets.clear()
+    sched.step()
+    assert budgets == [1 if window else 3]
+    sched._expect_until = min(sched._expect_until, time.perf_counter() + 0.05)
+    time.sleep(0.1)
+    budgets.clear()
+    sched.step()
+    assert budgets == [3]
+    step_until(lambda: long.status == Status.FINISHED)
+    assert got == {1: reference[1], 0: reference[0][:7], 3: reference[3][:7], 4: reference[4][:4]}
+    assert r.allocator.num_used == 0
 
 
 def test_one_iteration_calls_cross_a_history_bucket_exactly(tiny_dirs, monkeypatch):

@@ -12,7 +12,10 @@ One scheduler step:
 4. one decode call of up to `steps_per_call` speculative iterations for the
    running batch, after giving each row pages for the call (preempting the
    newest sequence when the pool is dry; it is recomputed later); only
-   `yield_steps` of them while a prefill waits (a runtime input, not a program).
+   `yield_steps` of them while a prefill waits (a runtime input, not a program),
+   and while the follow-ups of requests that just ended are expected
+   (`follow_up_window`: a client at a fixed concurrency sends its next request
+   as soon as an answer ends).
 
 A new request therefore waits at most one decode call before its prefill, and
 a cancelled one returns its pages within one call. The scheduler runs on its
@@ -113,10 +116,11 @@ class Seq:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
-                 metrics=None, prefill_calls_per_step: int = 1, yield_steps: int = 0):
+                 metrics=None, prefill_calls_per_step: int = 1, yield_steps: int = 0, follow_up_window: float = 0.0):
         self.runner = runner
         self.prefill_calls_per_step = prefill_calls_per_step
         self.yield_steps = yield_steps  # decode iterations per call while a prefill waits; 0 = steps_per_call
+        self.follow_up_window = follow_up_window  # seconds short calls wait for ended requests' follow-ups; 0 = off
         self.allocator = runner.allocator
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -141,6 +145,9 @@ class Scheduler:
         # encodes on the event loop while this thread decodes).
         self.tokenizer_lock = threading.Lock()
         self.num_decode_calls = 0
+        # Follow-ups expected: requests that ended lately (not aborted) whose client has not sent its next
+        # one yet, until the window closes (perf_counter seconds). _decode_step keeps calls short meanwhile.
+        self._expected, self._expect_until = 0, 0.0
         self.last_error: str | None = None
         if metrics is not None:  # the page gauges read the pool from start-up, not from the first request
             metrics.update_state(self)
@@ -243,6 +250,7 @@ class Scheduler:
             except queue.Empty:
                 return
             if op == "add":
+                self._expected = max(0, self._expected - 1)
                 if seq.cancelled:
                     continue
                 if self.closed:  # it passed the server's draining check, then reached the inbox after abort_all
@@ -500,7 +508,11 @@ class Scheduler:
         # Independent of k (max_depth of all); wide enough for the page table and for the history.
         ctx = r.context_bucket(max(max(self._lookahead(s), self._history_need(s)) for s in batch))
         k = self.adaptive.choose((b, ctx)) if self.adaptive is not None else self.fixed_k
-        budget = self.yield_steps if self.yield_steps and self._prefill_waits() else None  # None: steps_per_call
+        # None: steps_per_call. Calls while a follow-up is expected are short too: a chat client (or any
+        # client at a fixed concurrency) sends its next request as soon as an answer ends, a few ms into the
+        # next call.
+        expect = self._prefill_waits() or (self._expected > 0 and time.perf_counter() < self._expect_until)
+        budget = self.yield_steps if self.yield_steps and expect else None
         t0 = time.perf_counter()
         outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx, budget)
         seconds = time.perf_counter() - t0
@@ -561,6 +573,10 @@ class Scheduler:
             return
         if reason != "abort":  # an abort may follow a failed call: its caches are not trusted
             self._publish(seq)
+            if self.follow_up_window:  # its client's next request is due (_decode_step keeps calls short)
+                now = time.perf_counter()
+                self._expected = 1 + (self._expected if now < self._expect_until else 0)
+                self._expect_until = now + self.follow_up_window
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
         for group in (self.running, self.prefilling):
