@@ -179,7 +179,7 @@ class ServeSection:
     # iteration later instead of steps_per_call iterations later. A runtime input of the same
     # programs (no compile). 0 = always steps_per_call.
     yield_steps: int = 1
-    # Seconds after a decode call ends requests during which the next calls also run only `yield_steps`
+    # Seconds after a request ends (not aborted) during which decode calls also run only `yield_steps`
     # iterations, until as many new requests have arrived: a client at a fixed concurrency (a chat
     # agent's next turn, a benchmark's next request) sends its next request as soon as an answer ends,
     # a few ms into the next call, and would wait out all `steps_per_call`. 0 = off.
