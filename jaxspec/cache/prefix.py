@@ -68,10 +68,10 @@ def shared_in_batch(prompts: Sequence[Sequence[int]], pools: Sequence["PrefixCac
         if not pool.enabled:
             continue
         keys = page_keys(tokens, pool.page_size, pool.root, len(tokens) - 1)
-        held, mine = pool._page_of, published.setdefault(id(pool), set())
-        now = next((p for p, key in enumerate(keys) if key not in held), len(keys))  # `match`, keys hashed once
+        mine = published.setdefault(id(pool), set())
+        now = pool.cached_run(keys)  # `match`'s pages, the keys hashed once
         after = now
-        while after < len(keys) and (keys[after] in mine or keys[after] in held):
+        while after < len(keys) and (keys[after] in mine or pool.holds(keys[after])):
             after += 1
         if after > now:
             followers.append(i)
@@ -121,16 +121,19 @@ class PrefixCachingAllocator(PageAllocator):
 
     # ---- lookup and sharing ----------------------------------------------------
 
+    def holds(self, key: bytes) -> bool:
+        """Whether a page with this key (`page_keys`) is cached."""
+        return key in self._page_of
+
+    def cached_run(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` (a prompt's `page_keys`, in order) lead with cached pages."""
+        return next((p for p, key in enumerate(keys) if key not in self._page_of), len(keys))
+
     def match(self, tokens: Sequence[int], max_hit: int) -> int:
         """Tokens of `tokens`' longest cached prefix, at most `max_hit` (whole pages); no side effects."""
         if not self.enabled:
             return 0
-        n = 0
-        for key in page_keys(tokens, self.page_size, self.root, max_hit):
-            if key not in self._page_of:
-                break
-            n += self.page_size
-        return n
+        return self.cached_run(page_keys(tokens, self.page_size, self.root, max_hit)) * self.page_size
 
     def adopt(self, seq_id, tokens: Sequence[int], max_hit: int) -> int:
         """Start `seq_id` (which owns no pages yet) on the cached pages of its longest cached
