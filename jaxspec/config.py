@@ -184,6 +184,10 @@ class ServeSection:
     # agent's next turn, a benchmark's next request) sends its next request as soon as an answer ends,
     # a few ms into the next call, and would wait out all `steps_per_call`. 0 = off.
     follow_up_window: float = 0.25
+    # Seconds the scheduler holds its next call after a request ends, for that request's follow-up to
+    # arrive (within follow_up_window): it then joins the next prefill call instead of waiting that
+    # call out in the queue. 0 = off.
+    follow_up_grace: float = 0.02
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard
@@ -250,6 +254,7 @@ class Config:
              "serve.prefill_piece must be 0 (off) or between 1 and serve.prefill_tokens"),
             (self.serve.prefill_calls_per_step >= 1, "serve.prefill_calls_per_step must be >= 1"),
             (self.serve.follow_up_window >= 0, "serve.follow_up_window must be >= 0 seconds (0 = off)"),
+            (self.serve.follow_up_grace >= 0, "serve.follow_up_grace must be >= 0 seconds (0 = off)"),
             (0 <= self.serve.yield_steps <= self.serve.steps_per_call,
              "serve.yield_steps must be between 0 (off) and serve.steps_per_call"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,

@@ -47,6 +47,7 @@ def test_spec_is_validated_at_load_after_the_flags(tmp_path):
         ({"model.dtype": "float16"}, "model.dtype"),
         ({"engine.cpu_kernels": "fast"}, "engine.cpu_kernels must be auto, native or xla"),
         ({"serve.follow_up_window": -1}, r"serve.follow_up_window must be >= 0 seconds \(0 = off\)"),
+        ({"serve.follow_up_grace": -0.1}, r"serve.follow_up_grace must be >= 0 seconds \(0 = off\)"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -296,10 +296,11 @@ def test_only_a_request_admission_can_take_shortens_decode_calls(tiny_dirs, refe
 def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, reference, window):
     """serve.follow_up_window: after decode calls end requests, the next calls run yield_steps (1)
     iterations until as many new requests have arrived (a client at a fixed concurrency sends its
-    next one at once), then full calls again (3). Here two short requests end beside a long one;
-    one follow-up arrives two calls later, the other never, so calls stay short until the window
-    closes (60 s, so wall time cannot close it early; the test then closes it and waits it out).
-    Control: window 0 runs full calls after the ends. Output is exact throughout."""
+    next one at once), then full calls again (3). Here two short requests end beside a long one,
+    one of them with two samples (n = 2: one request, one follow-up due, not two); one follow-up
+    arrives two calls later, the other never, so calls stay short until the window closes (60 s,
+    so wall time cannot close it early; the test then closes it and waits it out). Control:
+    window 0 runs full calls after the ends. Output is exact throughout."""
     import time
 
     path, _ = tiny_dirs["llama"]
@@ -315,8 +316,10 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
     r.run_decode = decode
     got = {}
 
-    def submit(i, new):
-        seq = Seq(list(PROMPTS[i]), SamplingParams(max_tokens=new), lambda e: got.setdefault(i, []).extend(e.token_ids))
+    def submit(i, new, params=None, key=None):
+        key = i if key is None else key
+        seq = Seq(list(PROMPTS[i]), params or SamplingParams(max_tokens=new),
+                  lambda e: got.setdefault(key, []).extend(e.token_ids))
         sched.submit(seq)
         return seq
 
@@ -327,11 +330,14 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
             sched.step()
         raise AssertionError("the scheduler did not get there")
 
-    # 1. Two 7-token requests end; the 40-token one runs on.
+    # 1. Two 7-token requests end, b with two samples (the server shares one params object between
+    #    a request's samples); the 40-token one runs on.
     long = submit(1, NEW)
-    a, b = submit(0, 7), submit(3, 7)
-    step_until(lambda: a.status == b.status == Status.FINISHED)
+    pair = SamplingParams(max_tokens=7)
+    a, b, b2 = submit(0, 7), submit(3, 7, pair), submit(3, 7, pair, key="b2")
+    step_until(lambda: a.status == b.status == b2.status == Status.FINISHED)
     assert long.status == Status.RUNNING
+    assert sched.follow_ups.expected == (2 if window else 0)
     # 2. Two calls with both follow-ups outstanding, then one arrives.
     budgets.clear()
     sched.step(), sched.step()
@@ -340,18 +346,63 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
     step_until(lambda: d.status == Status.FINISHED)
     assert long.status == Status.RUNNING
     # 3. b's follow-up and d's are outstanding: short calls until the window closes.
-    assert sched._expected == (2 if window else 0)
+    assert sched.follow_ups.expected == (2 if window else 0)
     budgets.clear()
     sched.step()
     assert budgets == [1 if window else 3]
-    sched._expect_until = min(sched._expect_until, time.perf_counter() + 0.05)
+    sched.follow_ups.until = min(sched.follow_ups.until, time.perf_counter() + 0.05)
     time.sleep(0.1)
     budgets.clear()
     sched.step()
     assert budgets == [3]
     step_until(lambda: long.status == Status.FINISHED)
-    assert got == {1: reference[1], 0: reference[0][:7], 3: reference[3][:7], 4: reference[4][:4]}
+    assert got == {1: reference[1], 0: reference[0][:7], 3: reference[3][:7], "b2": reference[3][:7],
+                   4: reference[4][:4]}
     assert r.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("grace", [30.0, 0.0], ids=["grace", "control-off"])
+def test_the_next_call_waits_for_a_follow_up_to_join_it(tiny_dirs, reference, grace):
+    """serve.follow_up_grace: after a request ends, the next step holds (up to the grace) until its
+    follow-up reaches the inbox, so the follow-up is prefilled in that step instead of after it.
+    The follow-up is sent 50 ms after the end from another thread (as an HTTP client would); a
+    30 s grace cannot run out first. Control: grace 0 starts the step at once, without it. Output
+    is exact either way."""
+    import threading
+
+    path, _ = tiny_dirs["llama"]
+    server = build_server(config(path, **{"serve.yield_steps": 1, "serve.adaptive": False, "spec.algorithm": "none",
+                                          "serve.follow_up_window": 60.0, "serve.follow_up_grace": grace}),
+                          progress=False)
+    sched = server.scheduler
+    got = {}
+
+    def submit(i, new):
+        seq = Seq(list(PROMPTS[i]), SamplingParams(max_tokens=new), lambda e: got.setdefault(i, []).extend(e.token_ids))
+        sched.submit(seq)
+        return seq
+
+    long, a = submit(1, NEW), submit(0, 5)
+    for _ in range(200):
+        if a.status == Status.FINISHED:
+            break
+        sched.step()
+    assert a.status == Status.FINISHED and long.status == Status.RUNNING
+    box = {}
+    sender = threading.Timer(0.05, lambda: box.setdefault("seq", submit(4, 4)))
+    sender.start()
+    sched.step()
+    sender.join()
+    follow = box["seq"]
+    assert (follow.first_token_time is not None) == bool(grace)
+    assert sched.follow_ups.num_waits == (1 if grace else 0)
+    sched.follow_ups.grace = 0.0  # the follow-up's own follow-up never comes: do not wait 30 s for it
+    for _ in range(200):
+        if long.status == follow.status == Status.FINISHED:
+            break
+        sched.step()
+    assert got == {1: reference[1], 0: reference[0][:5], 4: reference[4][:4]}
+    assert server.runner.allocator.num_used == 0
 
 
 def test_one_iteration_calls_cross_a_history_bucket_exactly(tiny_dirs, monkeypatch):

@@ -563,3 +563,32 @@ def test_make_room_evicts_least_recent_evictable_programs_then_refuses(monkeypat
     with pytest.raises(mappings.MapLimitError):
         mappings.make_room(budget, last_used, compiled, 2, lambda k: False)
     assert len(compiled) == 4
+
+
+def test_follow_ups_count_ends_and_the_grace_waits_only_while_one_is_missing():
+    """serve/follow_ups.py without a server: ends open the window, arrivals close it; the grace holds
+    while fewer requests are queued than expected and ends by itself when none comes (a client that
+    stopped). Controls: window 0 counts nothing; grace 0 never holds."""
+    import threading
+
+    from jaxspec.serve.follow_ups import FollowUps
+
+    wake, stop = threading.Event(), threading.Event()
+    f = FollowUps(window=60.0, grace=0.05)
+    f.ended(), f.ended()
+    assert f.expected == 2 and f.due()
+    f.wait(lambda: 2, wake, stop)  # both already queued: no hold
+    assert f.num_waits == 0
+    f.wait(lambda: 1, wake, stop)  # one missing: holds until the grace ends
+    assert f.num_waits == 1
+    f.arrived(), f.arrived(), f.arrived()
+    assert f.expected == 0 and not f.due()
+    f.wait(lambda: 0, wake, stop)  # nothing expected: no hold
+    assert f.num_waits == 1
+    off = FollowUps(window=0.0, grace=0.05)
+    off.ended()
+    assert off.expected == 0 and not off.due()
+    no_grace = FollowUps(window=60.0, grace=0.0)
+    no_grace.ended()
+    no_grace.wait(lambda: 0, wake, stop)
+    assert no_grace.due() and no_grace.num_waits == 0

@@ -281,7 +281,7 @@ def run_server(url: str, model: str, convs, levels, args, label: dict) -> dict:
         s["split"] = time_split(before, counter_totals(metric_samples(url)))
         print(f"[{label['spec']}/cache {label['cache']}] C={c}: {s['requests']} requests, "
               f"hit {100 * s['hit_rate']:.1f}%, {s['cut']} conversations cut at the context; "
-              f"{split_line(s['split'])}", flush=True)
+              f"TTFT p50 {s['ttft_p50']:.2f} s, {s['tok_s']:.1f} out tok/s; {split_line(s['split'])}", flush=True)
     return out
 
 

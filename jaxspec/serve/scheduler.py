@@ -2,6 +2,8 @@
 
 One scheduler step:
 
+0. right after requests end, wait up to `follow_up_grace` for their clients' next requests
+   (`serve/follow_ups.py`), so those join this step's prefill call instead of waiting it out;
 1. take new sequences and cancellations from the inbox; free cancelled ones;
 2. admit waiting sequences (FIFO) while a batch slot and KV pages are free;
 3. one chunked-prefill call for sequences still prefilling (`serve/prefill_plan.py`:
@@ -14,8 +16,7 @@ One scheduler step:
    newest sequence when the pool is dry; it is recomputed later); only
    `yield_steps` of them while a prefill waits (a runtime input, not a program),
    and while the follow-ups of requests that just ended are expected
-   (`follow_up_window`: a client at a fixed concurrency sends its next request
-   as soon as an answer ends).
+   (`follow_up_window`).
 
 A new request therefore waits at most one decode call before its prefill, and
 a cancelled one returns its pages within one call. The scheduler runs on its
@@ -52,6 +53,7 @@ from jaxspec.detok import IncrementalDetokenizer, StopStringMatcher
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
+from jaxspec.serve.follow_ups import FollowUps
 from jaxspec.serve.prefill_plan import DECODE_GAP_TOKENS, MAX_PREFILL_SKIPS, plan_packed, plan_prefill
 
 log = logging.getLogger("jaxspec.serve")
@@ -116,11 +118,12 @@ class Seq:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
-                 metrics=None, prefill_calls_per_step: int = 1, yield_steps: int = 0, follow_up_window: float = 0.0):
+                 metrics=None, prefill_calls_per_step: int = 1, yield_steps: int = 0, follow_up_window: float = 0.0,
+                 follow_up_grace: float = 0.0):
         self.runner = runner
         self.prefill_calls_per_step = prefill_calls_per_step
         self.yield_steps = yield_steps  # decode iterations per call while a prefill waits; 0 = steps_per_call
-        self.follow_up_window = follow_up_window  # seconds short calls wait for ended requests' follow-ups; 0 = off
+        self.follow_ups = FollowUps(follow_up_window, follow_up_grace)
         self.allocator = runner.allocator
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -145,9 +148,6 @@ class Scheduler:
         # encodes on the event loop while this thread decodes).
         self.tokenizer_lock = threading.Lock()
         self.num_decode_calls = 0
-        # Follow-ups expected: requests that ended lately (not aborted) whose client has not sent its next
-        # one yet, until the window closes (perf_counter seconds). _decode_step keeps calls short meanwhile.
-        self._expected, self._expect_until = 0, 0.0
         self.last_error: str | None = None
         if metrics is not None:  # the page gauges read the pool from start-up, not from the first request
             metrics.update_state(self)
@@ -230,6 +230,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> None:
+        self.follow_ups.wait(self._inbox.qsize, self._wake, self._stop)
         for _ in range(self.prefill_calls_per_step):
             # Before every prefill call: what arrived during the last one is prefilled before the
             # decode call too.
@@ -250,7 +251,7 @@ class Scheduler:
             except queue.Empty:
                 return
             if op == "add":
-                self._expected = max(0, self._expected - 1)
+                self.follow_ups.arrived()
                 if seq.cancelled:
                     continue
                 if self.closed:  # it passed the server's draining check, then reached the inbox after abort_all
@@ -511,7 +512,7 @@ class Scheduler:
         # None: steps_per_call. Calls while a follow-up is expected are short too: a chat client (or any
         # client at a fixed concurrency) sends its next request as soon as an answer ends, a few ms into the
         # next call.
-        expect = self._prefill_waits() or (self._expected > 0 and time.perf_counter() < self._expect_until)
+        expect = self._prefill_waits() or self.follow_ups.due()
         budget = self.yield_steps if self.yield_steps and expect else None
         t0 = time.perf_counter()
         outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx, budget)
@@ -573,10 +574,10 @@ class Scheduler:
             return
         if reason != "abort":  # an abort may follow a failed call: its caches are not trusted
             self._publish(seq)
-            if self.follow_up_window:  # its client's next request is due (_decode_step keeps calls short)
-                now = time.perf_counter()
-                self._expected = 1 + (self._expected if now < self._expect_until else 0)
-                self._expect_until = now + self.follow_up_window
+            # One follow-up per request: the n samples (and prompts) of one request share its params.
+            group = (*self.waiting, *self.prefilling, *self.running)
+            if self.follow_ups.window and not any(s.params is seq.params and s is not seq for s in group):
+                self.follow_ups.ended()
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
         for group in (self.running, self.prefilling):

@@ -212,7 +212,8 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
         adaptive = AdaptiveSteps(runner.candidates, {}, hysteresis=s.adaptive_hysteresis)
     scheduler = Scheduler(runner, model.tokenizer, max_batch_size=cfg.engine.max_batch_size, adaptive=adaptive,
                           metrics=metrics, prefill_calls_per_step=s.prefill_calls_per_step,
-                          yield_steps=s.yield_steps, follow_up_window=s.follow_up_window)
+                          yield_steps=s.yield_steps, follow_up_window=s.follow_up_window,
+                          follow_up_grace=s.follow_up_grace)
     name = s.served_model_name or (
         "SmolLM2-135M-Instruct" if cfg.model.path == "default" else Path(cfg.model.path).name)
     defaults = {}
