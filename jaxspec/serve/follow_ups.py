@@ -29,7 +29,7 @@ class FollowUps:
         self.expected = 0  # ended lately, their client's next request not arrived yet
         self.until = 0.0  # perf_counter when the window closes
         self.last_end = 0.0  # perf_counter of the latest end (the grace counts from it)
-        self.num_waits = 0  # calls held for a follow-up (tests, metrics)
+        self.num_waits = 0  # steps held for a follow-up (tests)
 
     def ended(self) -> None:
         """A request's last sample ended (not aborted)."""

@@ -576,7 +576,7 @@ class Scheduler:
             self._publish(seq)
             # One follow-up per request: the n samples (and prompts) of one request share its params.
             live = (*self.waiting, *self.prefilling, *self.running)
-            if self.follow_ups.window and not any(s.params is seq.params and s is not seq for s in live):
+            if not any(s.params is seq.params and s is not seq for s in live):
                 self.follow_ups.ended()
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
