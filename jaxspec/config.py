@@ -188,6 +188,9 @@ class ServeSection:
     # arrive (within follow_up_window): it then joins the next prefill call instead of waiting that
     # call out in the queue. 0 = off.
     follow_up_grace: float = 0.02
+    # A directory: the scheduler writes its call-by-call timeline there (trace-<pid>.jsonl,
+    # serve/trace.py; `python -m jaxspec.bench trace` reads it). "" = off.
+    trace: str = ""
     context_buckets: tuple[int, ...] = (512,)  # decode buckets below engine.max_context
     adaptive: bool = True
     # Under a mesh with data > 1: a page pool per data shard, each sequence pinned to one shard

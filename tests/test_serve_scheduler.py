@@ -362,17 +362,20 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
 
 
 @pytest.mark.parametrize("grace", [30.0, 0.0], ids=["grace", "control-off"])
-def test_the_next_call_waits_for_a_follow_up_to_join_it(tiny_dirs, reference, grace):
+def test_the_next_call_waits_for_a_follow_up_to_join_it(tiny_dirs, reference, grace, tmp_path):
     """serve.follow_up_grace: after a request ends, the next step holds (up to the grace) until its
     follow-up reaches the inbox, so the follow-up is prefilled in that step instead of after it.
     The follow-up is sent 50 ms after the end from another thread (as an HTTP client would); a
     30 s grace cannot run out first. Control: grace 0 starts the step at once, without it. Output
-    is exact either way."""
+    is exact either way. The run is traced (serve.trace): the timeline accounts for every token the
+    requests received and for the held step, and `bench trace` splits each time to first token
+    into parts that add up to it."""
     import threading
 
     path, _ = tiny_dirs["llama"]
     server = build_server(config(path, **{"serve.yield_steps": 1, "serve.adaptive": False, "spec.algorithm": "none",
-                                          "serve.follow_up_window": 60.0, "serve.follow_up_grace": grace}),
+                                          "serve.follow_up_window": 60.0, "serve.follow_up_grace": grace,
+                                          "serve.trace": str(tmp_path)}),
                           progress=False)
     sched = server.scheduler
     got = {}
@@ -403,6 +406,30 @@ def test_the_next_call_waits_for_a_follow_up_to_join_it(tiny_dirs, reference, gr
         sched.step()
     assert got == {1: reference[1], 0: reference[0][:5], 4: reference[4][:4]}
     assert server.runner.allocator.num_used == 0
+    check_trace(sched.trace.path, {long: 1, a: 0, follow: 4}, got, held=bool(grace))
+
+
+def check_trace(path, seqs, got, held):
+    """The trace file against what the requests received: each request's first token from one
+    prefill call and the rest from decode calls that list it, a held step iff `held`."""
+    from jaxspec.bench import trace as bench_trace
+
+    settings, calls, requests = bench_trace.read(path)
+    assert settings["prefix_cache"] is True and settings["spec"] == "none"
+    assert sum(c["ev"] == "wait" for c in calls) == int(held)
+    assert {r["id"] for r in requests} == {s.seq_id for s in seqs}
+    starts = [c["t0"] for c in calls]
+    for r in requests:
+        seq = next(s for s in seqs if s.seq_id == r["id"])
+        assert r["arrival"] <= r["admitted"] <= r["first_token"] <= r["end"]
+        assert r["generated"] == len(got[seqs[seq]]) and r["reason"] == "length"
+        decoded = sum(c["tokens"][c["seqs"].index(r["id"])] for c in calls if c["ev"] == "decode" and r["id"] in c["seqs"])
+        assert 1 + decoded == r["generated"]  # the first token is the prefill's
+        assert sum(r["id"] in c["seqs"] for c in calls if c["ev"] == "prefill") >= 1
+        parts = bench_trace.ttft_parts(r, calls, starts)
+        assert parts["own prefill"] > 0 and min(parts.values()) > -1e-9
+        assert abs(sum(parts.values()) - (r["first_token"] - r["arrival"])) < 1e-9
+    assert "server TTFT over 3 requests" in bench_trace.summarize(path)
 
 
 def test_one_iteration_calls_cross_a_history_bucket_exactly(tiny_dirs, monkeypatch):

@@ -1,4 +1,4 @@
-"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve,lower,ablate,sps,train,lmeval,adaptive,prefill,shared} ...`: benchmarks that print ratios measured side by side."""
+"""`python -m jaxspec.bench {decode,spec,heads,replay,gpu,serve,lower,ablate,sps,train,lmeval,adaptive,prefill,shared,trace} ...`: benchmarks that print ratios measured side by side."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ SUITES = {"decode": "jaxspec.bench.decode", "spec": "jaxspec.bench.spec", "gpu":
           "heads": "jaxspec.bench.heads", "lower": "jaxspec.bench.lower",
           "ablate": "jaxspec.bench.ablate", "sps": "jaxspec.bench.sps", "train": "jaxspec.bench.train",
           "lmeval": "jaxspec.bench.lmeval", "adaptive": "jaxspec.bench.adaptive",
-          "prefill": "jaxspec.bench.prefill", "shared": "jaxspec.bench.shared_prefix"}
+          "prefill": "jaxspec.bench.prefill", "shared": "jaxspec.bench.shared_prefix",
+          "trace": "jaxspec.bench.trace"}
 
 
 def main(argv=None) -> int:

@@ -46,11 +46,11 @@ class FollowUps:
         """Follow-ups are expected and the window is open: decode calls stay short."""
         return self.expected > 0 and time.perf_counter() < self.until
 
-    def wait(self, queued: Callable[[], int], wake: threading.Event, stop: threading.Event) -> None:
+    def wait(self, queued: Callable[[], int], wake: threading.Event, stop: threading.Event) -> bool:
         """Hold the caller until `queued()` (requests in the inbox) covers the follow-ups expected, for
-        at most `grace` after the latest end; `wake` is set on every submission."""
+        at most `grace` after the latest end; `wake` is set on every submission. True: it held."""
         if not self.grace or self.expected <= 0:
-            return
+            return False
         end = min(self.last_end + self.grace, self.until)
         waited = False
         while queued() < self.expected and not stop.is_set():
@@ -61,3 +61,4 @@ class FollowUps:
             wake.wait(left)
             wake.clear()
         self.num_waits += waited
+        return waited

@@ -55,6 +55,7 @@ from jaxspec.engine.types import RowInput, TokenScores, bucket_for
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.serve.follow_ups import FollowUps
 from jaxspec.serve.prefill_plan import DECODE_GAP_TOKENS, MAX_PREFILL_SKIPS, plan_packed, plan_prefill
+from jaxspec.serve.trace import Trace
 
 log = logging.getLogger("jaxspec.serve")
 
@@ -119,8 +120,9 @@ class Seq:
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_batch_size: int, adaptive: AdaptiveSteps | None,
                  metrics=None, prefill_calls_per_step: int = 1, yield_steps: int = 0, follow_up_window: float = 0.0,
-                 follow_up_grace: float = 0.0):
+                 follow_up_grace: float = 0.0, trace: Trace | None = None):
         self.runner = runner
+        self.trace = trace or Trace()  # serve.trace: the call-by-call timeline, off by default
         self.prefill_calls_per_step = prefill_calls_per_step
         self.yield_steps = yield_steps  # decode iterations per call while a prefill waits; 0 = steps_per_call
         self.follow_ups = FollowUps(follow_up_window, follow_up_grace)
@@ -230,7 +232,9 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> None:
-        self.follow_ups.wait(self._inbox.qsize, self._wake, self._stop)
+        t0 = time.perf_counter()
+        if self.follow_ups.wait(self._inbox.qsize, self._wake, self._stop):
+            self.trace.call("wait", t0, time.perf_counter(), ())
         for _ in range(self.prefill_calls_per_step):
             # Before every prefill call: what arrived during the last one is prefilled before the
             # decode call too.
@@ -427,6 +431,8 @@ class Scheduler:
         chunks = [None if p is None else (inputs.setdefault(p[0].seq_id, self._row(p[0])), p[1], p[2]) for p in layout]
         t0 = time.perf_counter()
         first, first_lp = r.prefill_scored(chunks)
+        self.trace.call("prefill", t0, time.perf_counter(), [s for s, _ in batch], rows=len(layout),
+                        tokens=sum(n for _, n in plan))
         if self.metrics is not None:
             b = bucket_for(len(layout), r.prefill_batches, "prefill batch")  # what ran, padding rows too
             self.metrics.prefill_call(time.perf_counter() - t0, sum(n for _, n in plan), b * c)
@@ -517,6 +523,8 @@ class Scheduler:
         t0 = time.perf_counter()
         outs, iters = r.decode(k, [None if s is None else self._row(s) for s in layout], ctx, budget)
         seconds = time.perf_counter() - t0
+        self.trace.call("decode", t0, t0 + seconds, [s for s in layout if s is not None], k=k, b=b, ctx=ctx,
+                        iters=iters, tokens=[len(o.tokens) for s, o in zip(layout, outs) if s is not None])
         self.num_decode_calls += 1
         accept = [a for o in outs if o is not None for a in o.accept_lens]
         if self.adaptive is not None:
@@ -588,6 +596,7 @@ class Scheduler:
             seq.grammar.release()
         if self.metrics is not None:
             self.metrics.finished(seq, reason)
+        self.trace.finished(seq)
         event = last or Event("", [])
         event.finish_reason = reason
         try:

@@ -19,6 +19,7 @@ from jaxspec.serve.protocol import APIError, GenParams
 from jaxspec.engine.runner import ModelRunner
 from jaxspec.engine.types import RequestError
 from jaxspec.serve.scheduler import Scheduler, Seq
+from jaxspec.serve.trace import Trace
 from jaxspec.speculative.algorithm import check_request_sampling
 
 log = logging.getLogger("jaxspec.serve")
@@ -213,7 +214,9 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     scheduler = Scheduler(runner, model.tokenizer, max_batch_size=cfg.engine.max_batch_size, adaptive=adaptive,
                           metrics=metrics, prefill_calls_per_step=s.prefill_calls_per_step,
                           yield_steps=s.yield_steps, follow_up_window=s.follow_up_window,
-                          follow_up_grace=s.follow_up_grace)
+                          follow_up_grace=s.follow_up_grace,
+                          trace=Trace(s.trace, prefix_cache=cfg.engine.prefix_cache, spec=cfg.spec.algorithm,
+                                      adaptive=adaptive is not None, max_batch_size=cfg.engine.max_batch_size))
     name = s.served_model_name or (
         "SmolLM2-135M-Instruct" if cfg.model.path == "default" else Path(cfg.model.path).name)
     defaults = {}
