@@ -316,6 +316,12 @@ def test_multi_turn_equals_cache_off(world, alg, monkeypatch):
     assert on[0].num_cached_tokens == 0 and all(r.num_cached_tokens >= 8 for r in on[1:])
     # Turn 3 reuses turn 2's prompt and most of its answer (less the drafter's lag).
     assert on[2].num_cached_tokens >= len(system) + 3 + 9 + 5 - 1 - 1 - engine.runner.prefix_lag - PAGE
+    # Without drafter state (plain, n-gram) no lag: every full page of turn 2's prompt and answer but
+    # its newest token (which has no K/V yet).
+    assert (engine.runner.prefix_lag == 0) == (alg in ("plain", "ngram"))
+    if alg in ("plain", "ngram"):
+        history = len(system) + len(messages[0]) + len(messages[1]) + len(on[0].output_ids) + len(on[1].output_ids)
+        assert on[2].num_cached_tokens == (history - 1) // PAGE * PAGE
     engine.runner.allocator.check()
 
 

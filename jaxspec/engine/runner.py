@@ -153,10 +153,6 @@ class ModelRunner:
         self.reserve = (max(reserve_tokens(self.plans[k], d) for k, d in self.drafters.items())
                         if self.speculative else 0)
         self.draft_params = self._draft_params(self.drafter, dparams, dcfg)
-        # Committed tokens whose drafter state may still be behind when a sequence leaves (a draft
-        # model catches up at its next step): the prefix cache leaves them out. One value whether
-        # speculation is on or off, so both reuse the same prefixes.
-        self.prefix_lag = max(8, self.max_depth + 1)
         # 3. Caches, pages, buckets.
         self._init_caches(engine_cfg)
         n = self.num_shards  # buckets round up to whole rows per data shard
@@ -185,6 +181,12 @@ class ModelRunner:
         # n-gram), a sequence may take several rows of one call, `piece` tokens each, in row buckets
         # up to the token budget; the rows of one call then pad under one piece per sequence.
         stateless = self.store[0] is None and not jax.tree.leaves(self.store[1])
+        # Committed tokens whose drafter state may still be behind when a sequence leaves (a draft
+        # model catches up at its next step): the prefix cache leaves them out. Without drafter
+        # state (plain decoding, n-gram) nothing is behind, and the next turn of a chat hits all
+        # of the answer (the multi-turn replay's cache-hit turns prefilled 42 tokens at the median,
+        # ~8 of them this lag's).
+        self.prefix_lag = 0 if stateless else max(8, self.max_depth + 1)
         self.prefill_piece = min(prefill_piece, self.max_context) if stateless else 0
         if self.prefill_piece:  # at most the tokens a one-row-per-sequence call could take
             most = max(min(budget, self.prefill_batches[-1] * self.prefill_chunk) // self.prefill_piece, 1)
