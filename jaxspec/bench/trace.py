@@ -5,7 +5,7 @@
 
 One block per server (trace-<pid>.jsonl, `jaxspec/serve/trace.py`):
 
-- the busy time (first arrival to last end) split into prefill calls, decode calls, held steps (the
+- the busy time (while any request is in the server) split into prefill calls, decode calls, held steps (the
   follow-up grace) and the rest: the host's work between calls, and idling with nothing to do;
 - decode calls by iterations run (short calls: a prefill waited), with their mean time per iteration;
 - each request's time to first token on the server (arrival after parsing, to the first token
@@ -62,16 +62,27 @@ def ttft_parts(req: dict, calls: list[dict], starts: list[float]) -> dict[str, f
     return parts
 
 
+def busy_periods(requests: list[dict]) -> list[tuple[float, float]]:
+    """The union of the requests' [arrival, end] intervals, as disjoint (start, end) pairs in order."""
+    out: list[list[float]] = []
+    for r in sorted(requests, key=lambda r: r["arrival"]):
+        if out and r["arrival"] <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], r["end"])
+        else:
+            out.append([r["arrival"], r["end"]])
+    return [(a, b) for a, b in out]
+
+
 def summarize(path: Path) -> str:
     settings, calls, requests = read(path)
     lines = [f"## {path.name}: " + ", ".join(f"{k}={v}" for k, v in settings.items())]
     served = [r for r in requests if r["first_token"] is not None and r["reason"] != "abort"]
     if not served or not calls:
         return "\n".join(lines + ["(no finished requests)"])
-    # 1. The busy time, by what ran.
-    span0, span1 = min(r["arrival"] for r in served), max(r["end"] for r in requests)
-    inside = [c for c in calls if c["t0"] >= span0 and c["t1"] <= span1]
-    busy = span1 - span0
+    # 1. The busy time (some request in the server; a benchmark's rounds on other servers are not), by what ran.
+    periods = busy_periods(requests)
+    busy = sum(t1 - t0 for t0, t1 in periods)
+    inside = [c for c in calls if any(t0 <= c["t0"] and c["t1"] <= t1 for t0, t1 in periods)]
     by_kind = {k: sum(c["t1"] - c["t0"] for c in inside if c["ev"] == k) for k in ("prefill", "decode", "wait")}
     rest = busy - sum(by_kind.values())
     lines.append(f"busy {busy:.1f} s: prefill {by_kind['prefill']:.1f} s ({100 * by_kind['prefill'] / busy:.0f}%), "
