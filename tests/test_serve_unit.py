@@ -592,3 +592,22 @@ def test_follow_ups_count_ends_and_the_grace_waits_only_while_one_is_missing():
     no_grace.ended()
     no_grace.wait(lambda: 0, wake, stop)
     assert no_grace.due() and no_grace.num_waits == 0
+
+
+def test_trace_is_a_no_op_when_off_and_names_the_setting_when_it_cannot_write(tmp_path):
+    """serve/trace.py: "" writes nothing; a directory that cannot be made (a file is in the way) is an
+    OSError naming serve.trace and the path, which the server's start-up prints as "error: ..."."""
+    from types import SimpleNamespace
+
+    from jaxspec.serve.trace import Trace
+
+    off = Trace("")
+    off.call("decode", 0.0, 1.0, [SimpleNamespace(seq_id=1)], k=0)  # no file, no error
+    assert not list(tmp_path.iterdir())
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match=r"serve\.trace: cannot write .*file/trace-\d+\.jsonl"):
+        Trace(str(blocker), prefix_cache=True)
+    on = Trace(str(tmp_path / "dir"), prefix_cache=True)  # control: a writable directory gets its file
+    on.call("prefill", 0.0, 1.0, [SimpleNamespace(seq_id=3)], rows=1, tokens=5)
+    assert on.path.read_text().splitlines()[1].startswith('{"ev": "prefill", "t0": 0.0')

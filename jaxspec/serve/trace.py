@@ -21,9 +21,12 @@ class Trace:
     def __init__(self, directory: str = "", **settings):
         self._file = None
         if directory:
-            Path(directory).mkdir(parents=True, exist_ok=True)
             self.path = Path(directory) / f"trace-{os.getpid()}.jsonl"
-            self._file = open(self.path, "w", buffering=1)  # line-buffered: readable while the server runs
+            try:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "w", buffering=1)  # line-buffered: readable while the server runs
+            except OSError as e:  # the server's start-up prints OSErrors as "error: ..." and exits 2
+                raise OSError(f"serve.trace: cannot write {self.path}: {e.strerror or e}") from None
             self._write({"ev": "start", **settings})
 
     def _write(self, record: dict) -> None:
