@@ -67,7 +67,8 @@ def test_params_and_cache_layouts(report):
 
 def test_int8_under_mesh_equals_single_device(report):
     """Weight-only int8 through XLA's dot: the column-split matrices keep their scales with their
-    columns, and 4x2 decodes what one device does, plain and speculative."""
+    columns, and n-gram speculation on 4x2 (its verify and decode the int8 forward) decodes what plain
+    decoding does on one device."""
     rows = report["int8"]
     assert rows["ngram_4x2"] == rows["plain_single"]
     assert rows["specs"] == ["P(None, 'model')", "P('model',)", "int8"]
