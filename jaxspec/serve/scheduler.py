@@ -431,11 +431,11 @@ class Scheduler:
         chunks = [None if p is None else (inputs.setdefault(p[0].seq_id, self._row(p[0])), p[1], p[2]) for p in layout]
         t0 = time.perf_counter()
         first, first_lp = r.prefill_scored(chunks)
-        self.trace.call("prefill", t0, time.perf_counter(), [s for s, _ in batch], rows=len(layout),
-                        tokens=sum(n for _, n in plan))
+        t1, tokens = time.perf_counter(), sum(n for _, n in plan)
+        self.trace.call("prefill", t0, t1, [s for s, _ in batch], rows=len(layout), tokens=tokens)
         if self.metrics is not None:
             b = bucket_for(len(layout), r.prefill_batches, "prefill batch")  # what ran, padding rows too
-            self.metrics.prefill_call(time.perf_counter() - t0, sum(n for _, n in plan), b * c)
+            self.metrics.prefill_call(t1 - t0, tokens, b * c)
         # 3. Each sequence's sampled token is its last piece's (the one ending at its furthest slot).
         end = {s.seq_id: s.num_cached + n for s, n in batch}
         last = {p[0].seq_id: (tok, lp) for p, tok, lp in zip(layout, first, first_lp)

@@ -39,7 +39,7 @@ class Trace:
 
     def finished(self, seq) -> None:
         if self._file is not None:
-            self._write({"ev": "request", "id": seq.seq_id, "end": time.perf_counter(), "arrival": seq.arrival, "admitted": seq.admitted_time,
-                         "first_token": seq.first_token_time, "prompt": len(seq.prompt_ids),
+            self._write({"ev": "request", "id": seq.seq_id, "end": time.perf_counter(), "arrival": seq.arrival,
+                         "admitted": seq.admitted_time, "first_token": seq.first_token_time, "prompt": len(seq.prompt_ids),
                          "cached": seq.cached_tokens, "generated": seq.num_generated, "reason": seq.finish_reason,
                          "preemptions": seq.num_preemptions})
