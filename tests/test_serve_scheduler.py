@@ -38,6 +38,28 @@ def run_all(server, prompts, new, after_step=None):
     return [got[i] for i in range(len(prompts))], seqs
 
 
+def submitter(sched, got):
+    """submit(i, new, params=None, key=None): PROMPTS[i] for `new` tokens (or `params`, which a
+    request's samples share), its tokens collected under got[key] (default i); returns the Seq."""
+
+    def submit(i, new, params=None, key=None):
+        key = i if key is None else key
+        seq = Seq(list(PROMPTS[i]), params or SamplingParams(max_tokens=new),
+                  lambda e: got.setdefault(key, []).extend(e.token_ids))
+        sched.submit(seq)
+        return seq
+
+    return submit
+
+
+def step_until(sched, cond, limit=200):
+    for _ in range(limit):
+        if cond():
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not get there")
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_dirs):
     path, _ = tiny_dirs["llama"]
@@ -315,27 +337,14 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
 
     r.run_decode = decode
     got = {}
-
-    def submit(i, new, params=None, key=None):
-        key = i if key is None else key
-        seq = Seq(list(PROMPTS[i]), params or SamplingParams(max_tokens=new),
-                  lambda e: got.setdefault(key, []).extend(e.token_ids))
-        sched.submit(seq)
-        return seq
-
-    def step_until(cond):
-        for _ in range(200):
-            if cond():
-                return
-            sched.step()
-        raise AssertionError("the scheduler did not get there")
+    submit = submitter(sched, got)
 
     # 1. Two 7-token requests end, b with two samples (the server shares one params object between
     #    a request's samples); the 40-token one runs on.
     long = submit(1, NEW)
     pair = SamplingParams(max_tokens=7)
     a, b, b2 = submit(0, 7), submit(3, 7, pair), submit(3, 7, pair, key="b2")
-    step_until(lambda: a.status == b.status == b2.status == Status.FINISHED)
+    step_until(sched, lambda: a.status == b.status == b2.status == Status.FINISHED)
     assert long.status == Status.RUNNING
     assert sched.follow_ups.expected == (2 if window else 0)
     # 2. Two calls with both follow-ups outstanding, then one arrives.
@@ -343,7 +352,7 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
     sched.step(), sched.step()
     assert budgets == [1 if window else 3] * 2
     d = submit(4, 4)
-    step_until(lambda: d.status == Status.FINISHED)
+    step_until(sched, lambda: d.status == Status.FINISHED)
     assert long.status == Status.RUNNING
     # 3. b's follow-up and d's are outstanding: short calls until the window closes.
     assert sched.follow_ups.expected == (2 if window else 0)
@@ -355,7 +364,7 @@ def test_decode_calls_stay_short_until_the_follow_ups_arrive(tiny_dirs, referenc
     budgets.clear()
     sched.step()
     assert budgets == [3]
-    step_until(lambda: long.status == Status.FINISHED)
+    step_until(sched, lambda: long.status == Status.FINISHED)
     assert got == {1: reference[1], 0: reference[0][:7], 3: reference[3][:7], "b2": reference[3][:7],
                    4: reference[4][:4]}
     assert r.allocator.num_used == 0
@@ -379,18 +388,10 @@ def test_the_next_call_waits_for_a_follow_up_to_join_it(tiny_dirs, reference, gr
                           progress=False)
     sched = server.scheduler
     got = {}
-
-    def submit(i, new):
-        seq = Seq(list(PROMPTS[i]), SamplingParams(max_tokens=new), lambda e: got.setdefault(i, []).extend(e.token_ids))
-        sched.submit(seq)
-        return seq
-
+    submit = submitter(sched, got)
     long, a = submit(1, NEW), submit(0, 5)
-    for _ in range(200):
-        if a.status == Status.FINISHED:
-            break
-        sched.step()
-    assert a.status == Status.FINISHED and long.status == Status.RUNNING
+    step_until(sched, lambda: a.status == Status.FINISHED)
+    assert long.status == Status.RUNNING
     box = {}
     sender = threading.Timer(0.05, lambda: box.setdefault("seq", submit(4, 4)))
     sender.start()
@@ -400,10 +401,7 @@ def test_the_next_call_waits_for_a_follow_up_to_join_it(tiny_dirs, reference, gr
     assert (follow.first_token_time is not None) == bool(grace)
     assert sched.follow_ups.num_waits == (1 if grace else 0)
     sched.follow_ups.grace = 0.0  # the follow-up's own follow-up never comes: do not wait 30 s for it
-    for _ in range(200):
-        if long.status == follow.status == Status.FINISHED:
-            break
-        sched.step()
+    step_until(sched, lambda: long.status == follow.status == Status.FINISHED)
     assert got == {1: reference[1], 0: reference[0][:5], 4: reference[4][:4]}
     assert server.runner.allocator.num_used == 0
     check_trace(sched.trace.path, {long: 1, a: 0, follow: 4}, got, held=bool(grace))
