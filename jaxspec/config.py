@@ -200,6 +200,9 @@ class ServeSection:
     # Each is a compiled bucket set, so keep the table short.
     adaptive_steps: tuple[int, ...] = (0, 1, 3)
     adaptive_hysteresis: float = 0.1
+    # A draft length's score must beat plain decoding's by this much (jaxspec/engine/adaptive.py):
+    # the score misses the batch tail that speculation's uneven rows leave.
+    adaptive_margin: float = 0.05
     kv_memory_fraction: float = 0.0  # > 0 sizes the page pool from free device memory
     max_body_bytes: int = 1 << 20
     # XLA's persistent compilation cache: a restart loads the buckets instead of
@@ -262,6 +265,8 @@ class Config:
              "serve.yield_steps must be between 0 (off) and serve.steps_per_call"),
             (all(k >= 0 for k in self.serve.adaptive_steps) and self.serve.adaptive_steps,
              "serve.adaptive_steps must be non-empty draft lengths >= 0"),
+            (self.serve.adaptive_hysteresis >= 0, "serve.adaptive_hysteresis must be >= 0"),
+            (self.serve.adaptive_margin >= 0, "serve.adaptive_margin must be >= 0 (0 = off)"),
             (0 <= self.serve.kv_memory_fraction < 1, "serve.kv_memory_fraction must be in [0, 1)"),
             (self.serve.max_body_bytes >= 1024, "serve.max_body_bytes must be >= 1024"),
             (self.serve.generation_config in ("auto", "none"), "serve.generation_config must be auto or none"),

@@ -48,6 +48,8 @@ def test_spec_is_validated_at_load_after_the_flags(tmp_path):
         ({"engine.cpu_kernels": "fast"}, "engine.cpu_kernels must be auto, native or xla"),
         ({"serve.follow_up_window": -1}, r"serve.follow_up_window must be >= 0 seconds \(0 = off\)"),
         ({"serve.follow_up_grace": -0.1}, r"serve.follow_up_grace must be >= 0 seconds \(0 = off\)"),
+        ({"serve.adaptive_margin": -0.05}, r"serve.adaptive_margin must be >= 0 \(0 = off\)"),
+        ({"serve.adaptive_hysteresis": -1}, "serve.adaptive_hysteresis must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

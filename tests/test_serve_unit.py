@@ -114,6 +114,31 @@ def test_adaptive_hysteresis_and_probing():
     assert [a.choose(4) for _ in range(8)] == [2, 2, 2, 0, 2, 2, 2, 2]
 
 
+def test_adaptive_margin_gives_ties_to_plain_decoding():
+    """serve.adaptive_margin: a chain of 1 that ties plain decoding per iteration loses the batch's
+    tail (rows end at different iterations), so with a 5% margin a tie goes to plain at once, and a
+    switch back takes (1 + hysteresis)(1 + margin) = 1.155x plain's score. Control: margin 0 holds
+    the chain through the tie (it is inside the 10% hysteresis). E(1) = 1.5 (the prior rate); the
+    chain's cost sets its score against plain's 1.0."""
+    b = (8, 512)
+
+    def run(margin):
+        a = AdaptiveSteps((0, 1), {(0, b): 1.0}, hysteresis=0.1, margin=margin, explore=False,
+                          probe_every=10**6)
+        picks = []
+        for ratio in (1.19, 1.0, 1.12, 1.0, 1.16):  # chain of 1's score / plain's, call by call
+            a.cost[(1, b)] = 1.5 / ratio
+            picks.append(a.choose(b))
+        return picks
+
+    assert run(0.05) == [1, 0, 0, 0, 1]
+    assert run(0.0) == [1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="margin"):
+        AdaptiveSteps((0, 1), {}, margin=-0.1)
+    # Without plain decoding among the candidates there is nothing to fall back to: no margin.
+    assert AdaptiveSteps((1, 3), {}, margin=0.05).margin == 0.0
+
+
 def test_adaptive_explores_each_candidate_once_before_probing():
     """A start-up calibration that overprices plain decoding (1.3 s against 1.0 live) sends batch 32 to
     k = 1, which live runs at 0.89x plain: exploration measures k = 0 and k = 3 live on the bucket's

@@ -210,7 +210,7 @@ def build_server(cfg: Config, *, mesh=None, progress: bool = True, model=None,
     metrics = ServerMetrics(max_accept_length=runner.max_depth + 1)
     adaptive = None
     if len(runner.candidates) > 1:
-        adaptive = AdaptiveSteps(runner.candidates, {}, hysteresis=s.adaptive_hysteresis)
+        adaptive = AdaptiveSteps(runner.candidates, {}, hysteresis=s.adaptive_hysteresis, margin=s.adaptive_margin)
     scheduler = Scheduler(runner, model.tokenizer, max_batch_size=cfg.engine.max_batch_size, adaptive=adaptive,
                           metrics=metrics, prefill_calls_per_step=s.prefill_calls_per_step,
                           yield_steps=s.yield_steps, follow_up_window=s.follow_up_window,
