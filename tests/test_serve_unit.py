@@ -133,6 +133,13 @@ def test_adaptive_margin_gives_ties_to_plain_decoding():
 
     assert run(0.05) == [1, 0, 0, 0, 1]
     assert run(0.0) == [1, 1, 1, 1, 1]
+    # A chain that falls behind is judged as if plain were current: a longer chain well ahead of
+    # plain takes over in the same call (E(3) = 1.875; its score 1.5x plain's).
+    a = AdaptiveSteps((0, 1, 3), {(0, b): 1.0, (1, b): 1.5 / 1.19, (3, b): 100.0}, hysteresis=0.1, margin=0.05,
+                      explore=False, probe_every=10**6)
+    assert a.choose(b) == 1
+    a.cost[(1, b)], a.cost[(3, b)] = 1.5, 1.875 / 1.5
+    assert a.choose(b) == 3
     with pytest.raises(ValueError, match="margin"):
         AdaptiveSteps((0, 1), {}, margin=-0.1)
     # Without plain decoding among the candidates there is nothing to fall back to: no margin.

@@ -19,7 +19,9 @@ because a call's cost grows with it: were it left out, the draft length in use
 would be charged for long contexts while the others kept their cheap
 calibration, and the policy would drift towards whatever it is not using.
 The choice maximises E(k) / cost(k, bucket); it switches only when the winner beats
-the current choice by `hysteresis`, so noise does not flap it. Positions
+the current choice by `hysteresis`, so noise does not flap it. With a `margin` (the server's
+`serve.adaptive_margin`) a draft length must beat plain decoding by it, and a tie goes to plain
+decoding (`choose` says why). Positions
 beyond the deepest one observed reuse its rate.
 
 Exploration: a bucket's second and following calls first run each other
@@ -148,24 +150,22 @@ class AdaptiveSteps:
         return max(self.candidates, key=lambda k: (self._adjusted(k, b), -k))
 
     def choose(self, b: Hashable) -> int:
-        """The draft length of bucket b's next call. The current choice holds until another beats it by
-        `hysteresis`; with a `margin`, scores of k > 0 count 1 + margin less, and a draft length
-        that no longer beats plain decoding by the margin gives way to it at once. Speculation has
-        costs outside its iterations that the score misses: rows that commit different numbers of
-        tokens end at different iterations, and the last rows of a batch then run at a smaller
+        """The draft length of bucket b's next call. The current choice holds until another beats it
+        by `hysteresis`. With a `margin`, scores of k > 0 count 1 + margin less, and a draft length
+        no longer ahead of plain decoding by the margin is judged as if plain were current: it gives
+        way at once, to plain or to a draft length that beats plain by the hysteresis. Speculation
+        has costs outside its iterations that the score misses: rows that commit different numbers
+        of tokens end at different iterations, and the last rows of a batch then run at a smaller
         batch (a wave of 8 equal requests at C = 8 lost ~10% to that with a chain of 1 that tied
         plain decoding per iteration). So a tie goes to plain decoding, and switching to a draft
         length takes (1 + hysteresis)(1 + margin) of plain's score."""
         prev = self.current.get(b)
         best = self.best(b)
-        if prev is None:
-            cur = best
-        elif self.margin and prev and self._adjusted(0, b) >= self._adjusted(prev, b):
-            cur = 0
-        elif self._adjusted(best, b) > (1 + self.hysteresis) * self._adjusted(prev, b):
-            cur = best
-        else:
-            cur = prev
+        base = prev
+        if base and self.margin and self._adjusted(0, b) >= self._adjusted(base, b):
+            base = 0  # no longer ahead of plain decoding by the margin: choose as if plain were current
+        ahead = base is None or self._adjusted(best, b) > (1 + self.hysteresis) * self._adjusted(base, b)
+        cur = best if ahead else base
         self.current[b] = cur
         n = self._calls.get(b, 0) + 1
         self._calls[b] = n
